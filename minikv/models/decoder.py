@@ -1,0 +1,61 @@
+"""The decoder-only skeleton both families share: embed, run the blocks, norm, project to logits.
+
+Families differ inside a block (llama.py, gpt_neox.py) and in their weight names; the loop over
+layers, the positions, the policy hand-off and which logits get computed are the same.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..config import ModelConfig
+from .rope import RotaryEmbedding
+
+
+class DecoderLM(nn.Module):
+    """Subclasses provide `embed`, `blocks`, `final_norm` and `lm_head` (as properties over
+    their HF-named submodules)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    @property
+    def device(self) -> torch.device:
+        return self.final_norm.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.final_norm.weight.dtype
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions=None, policy=None, logits_at=None, progress=None):
+        """input_ids (B, T) -> logits (B, T, V) float32, or (B, V) at `logits_at` (B,) indices.
+
+        positions (B, T): absolute positions, default 0..T-1 (-1 marks right padding, full
+        policy only). policy: a bound Policy; its layers see this forward as the prefill when
+        none of them has run yet, as a decode step otherwise (T must then be 1). Without a
+        policy this is a plain causal forward over input_ids alone. progress(i, n_layers) is
+        called after each layer, for progress bars on long prefills.
+        """
+        B, T = input_ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        decoding = policy is not None and policy.steps > 0
+        if decoding and T != 1:
+            raise ValueError(f"a decode step takes one token per sequence, got {T}")
+        rope_positions = positions.clamp(min=0)
+        x = self.embed(input_ids)  # (B, T, C)
+        for i, block in enumerate(self.blocks):
+            layer_kv = policy.layer(i) if policy is not None else None
+            x = block(x, rope_positions, self.rope, layer_kv, decoding)
+            if progress is not None:
+                progress(i + 1, len(self.blocks))
+        if logits_at is not None:
+            x = x[torch.arange(B, device=x.device), logits_at]  # (B, C)
+        logits = self.lm_head(self.final_norm(x)).float()
+        if policy is not None:
+            # per-step bookkeeping sees the next-token distribution (entropy-guided recovery)
+            policy.last_action = policy.end_step(logits if logits.dim() == 2 else logits[:, -1])
+        return logits

@@ -1,0 +1,69 @@
+"""Llama, Mistral and Qwen2: one pre-norm block, RMSNorm, gated SiLU MLP, GQA attention.
+
+What differs between the three is config, not code: Qwen2 puts a bias on q, k, v; Mistral
+limits attention to a sliding window; Llama 3 scales RoPE frequencies (rope.py). Parameter
+names follow Hugging Face checkpoints so that safetensors load without renaming.
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from ..config import ModelConfig
+from .decoder import DecoderLM
+from .layers import GatedMLP, RMSNorm, attend, merge_heads, split_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        C, D = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(C, cfg.n_heads * D, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(C, cfg.n_kv_heads * D, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(C, cfg.n_kv_heads * D, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.n_heads * D, C, bias=cfg.attention_out_bias)
+
+    def forward(self, x, positions, rope, layer_kv, decoding):
+        # x (B, T, C) -> (B, T, C)
+        q = split_heads(self.q_proj(x), self.cfg.n_heads)  # (B, Hq, T, D)
+        k = split_heads(self.k_proj(x), self.cfg.n_kv_heads)  # (B, Hkv, T, D)
+        v = split_heads(self.v_proj(x), self.cfg.n_kv_heads)  # (B, Hkv, T, D)
+        y = attend(q, k, v, positions, rope, layer_kv, self.cfg.sliding_window, decoding)
+        return self.o_proj(merge_heads(y))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias)
+
+    def forward(self, x, positions, rope, layer_kv, decoding):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, layer_kv, decoding)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """The `model.` prefix of HF checkpoints: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+
+class LlamaForCausalLM(DecoderLM):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    # the names the shared DecoderLM loop uses (properties, so nothing is registered twice)
+    embed = property(lambda self: self.model.embed_tokens)
+    blocks = property(lambda self: self.model.layers)
+    final_norm = property(lambda self: self.model.norm)

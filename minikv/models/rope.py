@@ -1,0 +1,103 @@
+"""Rotary position embeddings (RoPE): frequencies, scaling, partial rotary, delta rotation.
+
+Convention: the "rotate half" layout of Hugging Face Llama / GPT-NeoX. The first `rotary_dim`
+channels of a head are split into two halves (x1, x2); channel i of x1 pairs with channel i of x2
+and the pair is rotated by the angle p * inv_freq[i]. Channels past `rotary_dim` (Pythia's partial
+rotary) pass through untouched. llama.cpp stores Q/K rows interleaved instead; loading.py undoes
+that permutation so that this one convention holds everywhere.
+
+Rotations compose: R(p) R(delta) = R(p + delta). So a key cached after RoPE at position p can be
+moved to position p + delta by applying RoPE again with position delta, without knowing the
+pre-RoPE key. This is Eq. 4 of the lazy-pruning paper, and what `rotate_by` computes.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
+    # inv_freq[i] = base^(-2i / rotary_dim), i = 0 .. rotary_dim/2 - 1; float32 as in HF
+    return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths are slowed by `factor`, short ones kept,
+    and the band between them interpolated smoothly (Meta's reference, HF `rope_type="llama3"`)."""
+    factor = scaling["factor"]
+    low_freq_factor = scaling.get("low_freq_factor", 1.0)
+    high_freq_factor = scaling.get("high_freq_factor", 4.0)
+    old_context = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_inv_freq(rotary_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = default_inv_freq(rotary_dim, base)
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        return llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3")
+
+
+class RotaryEmbedding:
+    """cos/sin tables computed on the fly from integer positions (any shape).
+
+    Not an nn.Module: it holds no weights, only inv_freq, which depends on the config alone.
+    """
+
+    def __init__(self, head_dim: int, rotary_dim: int, base: float, scaling: dict | None = None):
+        if rotary_dim % 2 or rotary_dim > head_dim:
+            raise ValueError(f"rotary_dim must be even and <= head_dim, got {rotary_dim} / {head_dim}")
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        self.inv_freq = rope_inv_freq(rotary_dim, base, scaling)  # (rotary_dim/2,) float32
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions (...) int -> cos, sin (..., rotary_dim) float32
+        inv_freq = self.inv_freq.to(positions.device)
+        angles = positions.float()[..., None] * inv_freq  # (..., rotary_dim/2)
+        angles = torch.cat((angles, angles), dim=-1)  # (..., rotary_dim), rotate-half layout
+        return angles.cos(), angles.sin()
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x (B, H, T, D), positions (B, T) -> RoPE(x, positions), same dtype as x
+        cos, sin = self.cos_sin(positions)  # (B, T, rotary_dim)
+        return apply_rotary(x, cos[:, None], sin[:, None])
+
+    def rotate_by(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Delta rotation (Eq. 4): RoPE(k, p) -> RoPE(k, p + delta). delta broadcasts against
+        x's leading dims without the channel dim, e.g. x (B, H, T, D) with delta (T,) or ()."""
+        cos, sin = self.cos_sin(torch.as_tensor(delta, device=x.device))
+        return apply_rotary(x, cos, sin)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x (..., D); cos, sin (..., R) with R = rotary_dim <= D, broadcastable against x[..., :R].
+    # Computed in float32 and cast back, as HF does for bf16/fp16 activations.
+    rotary_dim = cos.shape[-1]
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    xf = x_rot.float()
+    rotated = (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+    if x_pass.shape[-1] == 0:
+        return rotated
+    return torch.cat((rotated, x_pass), dim=-1)

@@ -1,0 +1,266 @@
+"""The policy contract: what every KV-cache policy implements, and the tiers it stores into.
+
+A Policy is built with its parameters (`make("streaming:sink=4,window=252")`), then bound to a
+model (`policy.bind(cfg, device=..., dtype=..., max_len=...)`), which builds one LayerKV per
+layer. The model's attention computes q, k, v, applies RoPE at the tokens' absolute positions and
+hands them to `policy.layer(i)`:
+
+    out = policy.layer(i).prefill(q, k, v, positions)   # once, over the prompt
+    out = policy.layer(i).decode(q, k, v, positions)    # then once per generated token
+
+    q (B, n_heads, T, D)   k, v (B, n_kv_heads, T, D)   positions (B, T) int64   out like q
+
+`out` must be exactly what full attention returns over the tokens the policy lets that layer
+see. A policy that renumbers positions (streaming) re-rotates q and k itself with
+`self.rope.rotate_by`. After the last layer of each forward the generation loop calls
+`policy.end_step(logits)`; `policy.stats()` reports tiers and events at any time.
+
+Tiers: `device` is where attention runs (the model's device); `host` is CPU memory, pinned when
+CUDA is present. On a CPU-only machine both are CPU memory: the copies still happen and the
+accounting is real, but nothing is saved. `Tiers.to_host` / `to_device` count bytes moved.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from ..kernels import check_backend
+from ..models.rope import RotaryEmbedding
+
+
+@dataclass
+class StepAction:
+    """What end_step asks of the generation loop. `rewind=n` drops the last n generated tokens
+    (their KV is already gone from the policy) and regenerates them from the token before."""
+
+    rewind: int = 0
+
+
+class Tiers:
+    """The two places KV can live, and a running count of what crossed between them."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.host = torch.device("cpu")
+        self.pin = self.device.type == "cuda"
+        self.bytes_to_host = 0
+        self.bytes_to_device = 0
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        self.bytes_to_host += t.numel() * t.element_size()
+        if self.pin:
+            out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+            return out.copy_(t, non_blocking=True)
+        return t.to("cpu", copy=True)  # a real copy even when device is the CPU
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        self.bytes_to_device += t.numel() * t.element_size()
+        return t.to(self.device, non_blocking=self.pin, copy=True)
+
+
+class LayerKV(ABC):
+    """The KV state of one layer under one policy."""
+
+    def __init__(self, policy: "Policy", index: int):
+        self.policy = policy
+        self.index = index
+        self.cfg = policy.cfg
+
+    @abstractmethod
+    def prefill(self, q, k, v, positions) -> torch.Tensor: ...
+
+    @abstractmethod
+    def decode(self, q, k, v, positions) -> torch.Tensor: ...
+
+    @abstractmethod
+    def device_tokens(self) -> int:
+        """Tokens per KV head that attention reads on the device tier (mean over batch rows)."""
+
+    def host_tokens(self) -> int:
+        """Tokens per KV head held on the host tier."""
+        return 0
+
+    def allocated_device_tokens(self) -> int:
+        """Token slots reserved on the device tier (preallocation counts)."""
+        return self.device_tokens()
+
+
+class Policy(ABC):
+    """Base of all policies. Subclasses set `name`, take their parameters as keyword-only
+    arguments of __init__ (validated by `make`), and implement `make_layer`."""
+
+    name: str = ""
+    max_batch: int | None = 1  # most policies follow one sequence; `full` takes any batch
+
+    def __init__(self, *, backend: str = "eager"):
+        self.backend = check_backend(backend)
+        self.cfg: ModelConfig | None = None
+        self.layers: list[LayerKV] = []
+        self.steps = 0
+        self._peak_device_tokens = 0.0
+        self.last_action: StepAction | None = None
+
+    # -- binding ---------------------------------------------------------------------------
+    def bind(self, cfg: ModelConfig, *, device, dtype: torch.dtype, max_len: int, batch_size: int = 1) -> "Policy":
+        if self.max_batch is not None and batch_size > self.max_batch:
+            raise ValueError(f"policy {self.name!r} supports batch size <= {self.max_batch}, got {batch_size}")
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_len {max_len} exceeds the model's context of {cfg.max_position_embeddings} tokens "
+                f"by {max_len - cfg.max_position_embeddings}"
+            )
+        self.cfg, self.dtype, self.max_len, self.batch_size = cfg, dtype, max_len, batch_size
+        self.tiers = Tiers(device)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.validate(cfg)
+        self.steps = 0
+        self._peak_device_tokens = 0.0
+        self.layers = [self.make_layer(i) for i in range(cfg.n_layers)]
+        return self
+
+    def validate(self, cfg: ModelConfig) -> None:
+        """Raise ValueError for parameters impossible with this model. Override as needed."""
+
+    @abstractmethod
+    def make_layer(self, index: int) -> LayerKV: ...
+
+    def layer(self, index: int) -> LayerKV:
+        return self.layers[index]
+
+    @property
+    def bound(self) -> bool:
+        return self.cfg is not None
+
+    # -- per step --------------------------------------------------------------------------
+    def end_step(self, logits: torch.Tensor | None = None) -> StepAction | None:
+        """Called by the generation loop after every forward (prefill included)."""
+        self.steps += 1
+        self._peak_device_tokens = max(self._peak_device_tokens, self._mean(LayerKV.device_tokens))
+        return None
+
+    # -- accounting ------------------------------------------------------------------------
+    def _mean(self, fn) -> float:
+        return sum(fn(layer) for layer in self.layers) / max(len(self.layers), 1)
+
+    def token_bytes(self) -> int:
+        """Bytes of K and V of one token in one layer, all KV heads."""
+        return 2 * self.cfg.n_kv_heads * self.cfg.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def stats(self) -> dict:
+        """Tiers (tokens per KV head, mean over layers; bytes summed over layers and the batch)
+        plus what the policy did. Subclasses extend with their own counters."""
+        per_layer_device = [layer.device_tokens() for layer in self.layers]
+        per_layer_host = [layer.host_tokens() for layer in self.layers]
+        rows = self.batch_size
+        return {
+            "policy": self.name,
+            "device_tokens": sum(per_layer_device) / len(self.layers),
+            "host_tokens": sum(per_layer_host) / len(self.layers),
+            "device_tokens_peak": max(self._peak_device_tokens, sum(per_layer_device) / len(self.layers)),
+            "device_bytes": rows * sum(l.allocated_device_tokens() for l in self.layers) * self.token_bytes(),
+            "host_bytes": rows * sum(per_layer_host) * self.token_bytes(),
+            "bytes_to_host": self.tiers.bytes_to_host,
+            "bytes_to_device": self.tiers.bytes_to_device,
+            "device_tokens_per_layer": per_layer_device,
+            "host_tokens_per_layer": per_layer_host,
+        }
+
+
+# -- attention helpers shared by the policies --------------------------------------------------
+
+
+def expand_kv(x: torch.Tensor, n_groups: int) -> torch.Tensor:
+    # (B, Hkv, L, D) -> (B, Hkv * n_groups, L, D): query head h reads KV head h // n_groups
+    return x if n_groups == 1 else x.repeat_interleave(n_groups, dim=1)
+
+
+def dense_attention(q, k, v, q_pos=None, k_pos=None, window: int | None = None, scale: float | None = None):
+    """Causal softmax attention of q over k, v with positional masking.
+
+    q (B, Hq, T, D); k, v (B, Hkv, L, D); q_pos (B, T), k_pos (B, L) int: key j is visible to query
+    i when k_pos[j] <= q_pos[i] (and q_pos[i] - k_pos[j] < window). With no positions given, the
+    last T keys are the queries themselves (plain causal prefill), which takes SDPA's fused path.
+    """
+    n_groups = q.shape[1] // k.shape[1]
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    k, v = expand_kv(k, n_groups), expand_kv(v, n_groups)
+    if q_pos is None and window is None and q.shape[2] == k.shape[2]:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    if q_pos is None:
+        L, T = k.shape[2], q.shape[2]
+        k_pos = torch.arange(L, device=q.device)[None]
+        q_pos = torch.arange(L - T, L, device=q.device)[None]
+    visible = k_pos[:, None, :] <= q_pos[:, :, None]  # (B, T, L)
+    if window is not None:
+        visible &= (q_pos[:, :, None] - k_pos[:, None, :]) < window
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=scale)
+
+
+# -- spec strings ------------------------------------------------------------------------------
+
+_REGISTRY: dict[str, type[Policy]] = {}
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def available() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def _parse_value(text: str):
+    low = text.lower()
+    if low in ("true", "false", "on", "off", "yes", "no"):
+        return low in ("true", "on", "yes")
+    if low == "none":
+        return None
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parameters(cls: type[Policy]) -> dict[str, inspect.Parameter]:
+    sig = inspect.signature(cls.__init__)
+    return {n: p for n, p in sig.parameters.items() if p.kind == p.KEYWORD_ONLY}
+
+
+def make(spec: "str | Policy", **overrides) -> Policy:
+    """Build a policy from a spec string "name:key=value,key=value" (or pass a Policy through).
+
+    Unknown names or parameters raise ValueError listing what exists.
+    """
+    if isinstance(spec, Policy):
+        return spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"a policy spec is a non-empty string like 'streaming:sink=4', got {spec!r}")
+    name, _, rest = spec.strip().partition(":")
+    name = name.strip()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown policy {name!r}; available: {', '.join(available())}")
+    cls = _REGISTRY[name]
+    known = parameters(cls)
+    kwargs = {}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq:
+            raise ValueError(f"policy parameter {item!r} in {spec!r} is not of the form key=value")
+        if key not in known:
+            raise ValueError(f"policy {name!r} has no parameter {key!r}; parameters: {', '.join(known)}")
+        kwargs[key] = _parse_value(value.strip())
+    for key in overrides:
+        if key not in known:
+            raise ValueError(f"policy {name!r} has no parameter {key!r}; parameters: {', '.join(known)}")
+    kwargs.update(overrides)
+    return cls(**kwargs)
