@@ -230,7 +230,7 @@ def import_gguf(path: str | Path, out_dir: Path | None = None, progress: bool = 
         return out_dir
     reader = open_gguf(path)
     cfg = gguf_config(reader)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    tmp = out_dir.with_name(f"{out_dir.name}.tmp{os.getpid()}")  # one per process: parallel imports are safe
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
@@ -240,8 +240,11 @@ def import_gguf(path: str | Path, out_dir: Path | None = None, progress: bool = 
         tok_cfg = json.loads((tmp / "tokenizer_config.json").read_text()) if (tmp / "tokenizer_config.json").exists() else {}
         cfg["eos_token_id"] = tok_cfg.get("eos_token_ids", cfg["eos_token_id"])
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        shutil.rmtree(out_dir, ignore_errors=True)
-        tmp.rename(out_dir)  # a crash mid-import never leaves a half-written cache behind
+        try:
+            tmp.rename(out_dir)  # a crash mid-import never leaves a half-written cache behind
+        except OSError:
+            if not (out_dir / "model.safetensors").is_file():  # not another process finishing first
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir

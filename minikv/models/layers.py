@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..policies.base import dense_attention
+from .attention import dense_attention
 
 
 class RMSNorm(nn.Module):

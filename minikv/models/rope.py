@@ -19,7 +19,9 @@ import torch
 
 def default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
     # inv_freq[i] = base^(-2i / rotary_dim), i = 0 .. rotary_dim/2 - 1; float32 as in HF
-    return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    # explicit device: models are built under `with torch.device("meta")`, tables must stay real
+    steps = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float()
+    return 1.0 / (base ** (steps / rotary_dim))
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

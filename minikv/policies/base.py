@@ -22,22 +22,25 @@ accounting is real, but nothing is saved. `Tiers.to_host` / `to_device` count by
 from __future__ import annotations
 
 import inspect
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..kernels import check_backend
+from ..models.attention import dense_attention, expand_kv  # noqa: F401  (re-exported for policies)
 from ..models.rope import RotaryEmbedding
 
 
 @dataclass
 class StepAction:
-    """What end_step asks of the generation loop. `rewind=n` drops the last n generated tokens
-    (their KV is already gone from the policy) and regenerates them from the token before."""
+    """What end_step asks of the generation loop.
+
+    `rewind=n`: the policy has already removed the KV of the last n tokens fed to the model (at
+    positions p-n+1 .. p, p the position just decoded). The loop drops the token it was about to
+    feed and those n tokens from its output, then feeds the first of them again at its old
+    position p-n+1; everything after it is generated anew under the policy's new state."""
 
     rewind: int = 0
 
@@ -110,11 +113,7 @@ class Policy(ABC):
     def bind(self, cfg: ModelConfig, *, device, dtype: torch.dtype, max_len: int, batch_size: int = 1) -> "Policy":
         if self.max_batch is not None and batch_size > self.max_batch:
             raise ValueError(f"policy {self.name!r} supports batch size <= {self.max_batch}, got {batch_size}")
-        if max_len > cfg.max_position_embeddings:
-            raise ValueError(
-                f"max_len {max_len} exceeds the model's context of {cfg.max_position_embeddings} tokens "
-                f"by {max_len - cfg.max_position_embeddings}"
-            )
+        self.check_length(cfg, max_len)
         self.cfg, self.dtype, self.max_len, self.batch_size = cfg, dtype, max_len, batch_size
         self.tiers = Tiers(device)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -123,6 +122,15 @@ class Policy(ABC):
         self._peak_device_tokens = 0.0
         self.layers = [self.make_layer(i) for i in range(cfg.n_layers)]
         return self
+
+    def check_length(self, cfg: ModelConfig, max_len: int) -> None:
+        """Most policies keep absolute positions, so a sequence (prompt + new tokens) must fit
+        the model's context. A policy that renumbers positions (streaming) overrides this."""
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"prompt + new tokens = {max_len} exceeds the model's context of "
+                f"{cfg.max_position_embeddings} tokens by {max_len - cfg.max_position_embeddings}"
+            )
 
     def validate(self, cfg: ModelConfig) -> None:
         """Raise ValueError for parameters impossible with this model. Override as needed."""
@@ -141,7 +149,7 @@ class Policy(ABC):
     def end_step(self, logits: torch.Tensor | None = None) -> StepAction | None:
         """Called by the generation loop after every forward (prefill included)."""
         self.steps += 1
-        self._peak_device_tokens = max(self._peak_device_tokens, self._mean(LayerKV.device_tokens))
+        self._peak_device_tokens = max(self._peak_device_tokens, self._mean(lambda layer: layer.device_tokens()))
         return None
 
     # -- accounting ------------------------------------------------------------------------
@@ -170,36 +178,6 @@ class Policy(ABC):
             "device_tokens_per_layer": per_layer_device,
             "host_tokens_per_layer": per_layer_host,
         }
-
-
-# -- attention helpers shared by the policies --------------------------------------------------
-
-
-def expand_kv(x: torch.Tensor, n_groups: int) -> torch.Tensor:
-    # (B, Hkv, L, D) -> (B, Hkv * n_groups, L, D): query head h reads KV head h // n_groups
-    return x if n_groups == 1 else x.repeat_interleave(n_groups, dim=1)
-
-
-def dense_attention(q, k, v, q_pos=None, k_pos=None, window: int | None = None, scale: float | None = None):
-    """Causal softmax attention of q over k, v with positional masking.
-
-    q (B, Hq, T, D); k, v (B, Hkv, L, D); q_pos (B, T), k_pos (B, L) int: key j is visible to query
-    i when k_pos[j] <= q_pos[i] (and q_pos[i] - k_pos[j] < window). With no positions given, the
-    last T keys are the queries themselves (plain causal prefill), which takes SDPA's fused path.
-    """
-    n_groups = q.shape[1] // k.shape[1]
-    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    k, v = expand_kv(k, n_groups), expand_kv(v, n_groups)
-    if q_pos is None and window is None and q.shape[2] == k.shape[2]:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    if q_pos is None:
-        L, T = k.shape[2], q.shape[2]
-        k_pos = torch.arange(L, device=q.device)[None]
-        q_pos = torch.arange(L - T, L, device=q.device)[None]
-    visible = k_pos[:, None, :] <= q_pos[:, :, None]  # (B, T, L)
-    if window is not None:
-        visible &= (q_pos[:, :, None] - k_pos[:, None, :]) < window
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=scale)
 
 
 # -- spec strings ------------------------------------------------------------------------------

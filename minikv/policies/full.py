@@ -39,15 +39,10 @@ class FullLayer(LayerKV):
         self.k[rows, :, self.lengths] = k[:, :, 0]
         self.v[rows, :, self.lengths] = v[:, :, 0]
         self.lengths = self.lengths + 1
-        window = self.cfg.sliding_window
-        if window is None:
-            out = decode_attention(q[:, :, 0], self.k, self.v, self.lengths, backend=self.policy.backend)
-            return out[:, :, None]
-        # Mistral's sliding window: key slot j of a row is visible while j > length - 1 - window
-        L = int(self.lengths.max())
-        slots = torch.arange(L, device=k.device)[None].expand(k.shape[0], L)
-        k_pos = torch.where(slots < self.lengths[:, None], slots, L + 1)  # unwritten slots: never visible
-        return dense_attention(q, self.k[:, :, :L], self.v[:, :, :L], (self.lengths - 1)[:, None], k_pos, window)
+        # Mistral's sliding window: the kernel reads only the last `window` slots of each row
+        out = decode_attention(q[:, :, 0], self.k, self.v, self.lengths, window=self.cfg.sliding_window,
+                               backend=self.policy.backend)
+        return out[:, :, None]
 
     def device_tokens(self) -> int:
         return float(self.lengths.float().mean()) if len(self.lengths) else 0

@@ -1,0 +1,178 @@
+"""Text generation: one prefill over the prompt, then one decode step per new token.
+
+    prefill()           the prompt in one forward; the policy stores the prompt's KV
+    decode_one_token()  one token in, next-token logits out
+    decode_n_tokens()   the loop: sample, stop at EOS, honour a policy's rewind request
+    generate()          tokenize, bind the policy, run the above, gather stats
+
+Also the command line: `python -m minikv.generate --model smollm2 --prompt "..."` (see --help).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..policies import Policy, make
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    stats: dict = field(default_factory=dict)
+
+
+# -- sampling ----------------------------------------------------------------------------------
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def sample(logits: torch.Tensor, temperature=0.0, top_k=None, top_p=None, generator=None) -> torch.Tensor:
+    # logits (B, V) float32 -> token ids (B,)
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        # nucleus: keep the smallest set of tokens whose probability reaches top_p
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative - sorted_logits.softmax(dim=-1) >= top_p  # mass before this token
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+# -- the loop ----------------------------------------------------------------------------------
+
+
+def prefill(model, ids: torch.Tensor, lengths: torch.Tensor, policy: Policy, progress=None) -> torch.Tensor:
+    # ids (B, T) right-padded, lengths (B,) -> logits (B, V) at each row's last prompt token
+    T = ids.shape[1]
+    positions = torch.arange(T, device=ids.device).expand_as(ids)
+    positions = torch.where(positions < lengths[:, None], positions, -1)  # -1 marks padding
+    return model(ids, positions=positions, policy=policy, logits_at=lengths - 1, progress=progress)
+
+
+def decode_one_token(model, token: torch.Tensor, position: torch.Tensor, policy: Policy) -> torch.Tensor:
+    # token (B,), position (B,) -> logits (B, V)
+    return model(token[:, None], positions=position[:, None], policy=policy, logits_at=torch.zeros_like(token))
+
+
+def decode_n_tokens(model, logits, lengths, policy, n, eos_ids, sampling, generator, on_token=None):
+    """Sample up to n tokens per row after the prefill. Returns the new tokens per row and the
+    time each decode step took."""
+    B = logits.shape[0]
+    out: list[list[int]] = [[] for _ in range(B)]
+    done = torch.zeros(B, dtype=torch.bool, device=logits.device)
+    position = lengths.clone()
+    next_token = sample(logits, *sampling, generator=generator)
+    step_times = []
+    while True:
+        for b in range(B):
+            if not done[b]:
+                tok = int(next_token[b])
+                out[b].append(tok)
+                if on_token is not None:
+                    on_token(b, tok)
+                if tok in eos_ids or len(out[b]) >= n:
+                    done[b] = True
+        if bool(done.all()):
+            return out, step_times
+        t0 = time.perf_counter()
+        logits = decode_one_token(model, next_token, position, policy)
+        step_times.append(time.perf_counter() - t0)
+        position = position + 1
+        next_token = sample(logits, *sampling, generator=generator)
+        rewind = policy.last_action.rewind if policy.last_action is not None else 0
+        if rewind:
+            # the policy dropped the KV of the last `rewind` fed tokens: feed the first again
+            if B != 1:
+                raise RuntimeError("rewind is only defined for a single sequence")
+            rewind = min(rewind, len(out[0]))
+            next_token = torch.tensor([out[0][-rewind]], device=logits.device)
+            del out[0][-rewind:]
+            position = position - rewind
+            if on_token is not None:
+                on_token(0, -rewind)  # tells a streaming printer to take back `rewind` tokens
+
+
+def encode_prompt(tokenizer, prompt, chat: bool) -> list[int]:
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError("the prompt is empty")
+        if chat:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            return tokenizer.encode(text, add_bos=False)
+        return tokenizer.encode(prompt)
+    ids = [int(t) for t in prompt]
+    if not ids:
+        raise ValueError("the prompt is empty")
+    return ids
+
+
+def generate(model, tokenizer, prompt, policy="full", max_new_tokens: int = 128, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int | None = None, chat: bool = False,
+             stop_at_eos: bool = True, on_token=None, progress=None):
+    """Generate from one prompt (a string or token ids) or a batch (a list of them).
+
+    Returns a GenerationResult (a list of them for a batch). `policy` is a spec string or an
+    unbound Policy; it is bound here to this model and sequence length. on_token(row, id) is
+    called as tokens are produced (a negative id -n means: take back the last n tokens).
+    """
+    check_sampling(temperature, top_k, top_p)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    batched = isinstance(prompt, list) and len(prompt) > 0 and not isinstance(prompt[0], int)
+    prompts = [encode_prompt(tokenizer, p, chat) for p in (prompt if batched else [prompt])]
+    context = model.cfg.max_position_embeddings
+    longest = max(len(p) for p in prompts)
+    if longest > context:
+        raise ValueError(f"the prompt has {longest} tokens, {longest - context} more than the model's context of {context}")
+    policy = make(policy) if isinstance(policy, str) else policy
+    policy.bind(model.cfg, device=model.device, dtype=model.dtype, max_len=longest + max_new_tokens,
+                batch_size=len(prompts))
+    device = model.device
+    ids = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = torch.tensor(p)
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    eos_ids = set(tokenizer.eos_ids) if stop_at_eos else set()
+
+    t0 = time.perf_counter()
+    logits = prefill(model, ids, lengths, policy, progress)
+    ttft = time.perf_counter() - t0
+    new, step_times = decode_n_tokens(model, logits, lengths, policy, max_new_tokens, eos_ids,
+                                      (temperature, top_k, top_p), generator, on_token)
+    total = time.perf_counter() - t0
+    stats = generation_stats(policy, prompts, new, ttft, step_times, total)
+    results = [GenerationResult(tokenizer.decode([t for t in row if t not in eos_ids]), row, stats) for row in new]
+    return results if batched else results[0]
+
+
+def generation_stats(policy, prompts, new, ttft, step_times, total) -> dict:
+    n_new = sum(len(row) for row in new)
+    tpot = sum(step_times) / len(step_times) if step_times else float("nan")
+    stats = {
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "new_tokens": n_new,
+        "ttft_s": ttft,
+        "tpot_s": tpot,
+        "tokens_per_s": (len(new) / tpot) if step_times else float("nan"),
+        "total_s": total,
+    }
+    stats.update(policy.stats())
+    return stats
