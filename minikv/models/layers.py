@@ -87,8 +87,9 @@ def attend(q, k, v, positions, rope, layer_kv=None, window=None, decoding=False)
 
     q (B, Hq, T, D); k, v (B, Hkv, T, D); positions (B, T) -> (B, Hq, T, D)
     """
-    q = rope.apply(q, positions)
-    k = rope.apply(k, positions)
+    rope_positions = positions.clamp(min=0)  # padding (-1) is never attended; any angle will do
+    q = rope.apply(q, rope_positions)
+    k = rope.apply(k, rope_positions)
     if layer_kv is None:
         return dense_attention(q, k, v, window=window)
     if decoding:

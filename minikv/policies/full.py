@@ -30,6 +30,7 @@ class FullLayer(LayerKV):
         self.k[:, :, :T] = k
         self.v[:, :, :T] = v
         self.lengths = (positions >= 0).sum(dim=1)
+        self.longest = T  # a Python int, so slicing the cache never waits on the device
         # right padding sits after every real token, so plain causal attention is exact for them
         return dense_attention(q, k, v, window=self.cfg.sliding_window)
 
@@ -40,7 +41,10 @@ class FullLayer(LayerKV):
         self.v[rows, :, self.lengths] = v[:, :, 0]
         self.lengths = self.lengths + 1
         # Mistral's sliding window: the kernel reads only the last `window` slots of each row
-        out = decode_attention(q[:, :, 0], self.k, self.v, self.lengths, window=self.cfg.sliding_window,
+        self.longest += 1
+        # read only up to the longest row: the slots past it hold nothing yet
+        k_valid, v_valid = self.k[:, :, : self.longest], self.v[:, :, : self.longest]
+        out = decode_attention(q[:, :, 0], k_valid, v_valid, self.lengths, window=self.cfg.sliding_window,
                                backend=self.policy.backend)
         return out[:, :, None]
 
