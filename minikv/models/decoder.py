@@ -45,10 +45,13 @@ class DecoderLM(nn.Module):
         decoding = policy is not None and policy.steps > 0
         if decoding and T != 1:
             raise ValueError(f"a decode step takes one token per sequence, got {T}")
+        # one cos/sin table for all layers; padding (-1) is never attended, any angle will do
+        cos, sin = self.rope.cos_sin(positions.clamp(min=0))  # (B, T, rotary_dim)
+        rope = (cos[:, None], sin[:, None])  # broadcast over heads
         x = self.embed(input_ids)  # (B, T, C)
         for i, block in enumerate(self.blocks):
             layer_kv = policy.layer(i) if policy is not None else None
-            x = block(x, positions, self.rope, layer_kv, decoding)
+            x = block(x, positions, rope, layer_kv, decoding)
             if progress is not None:
                 progress(i + 1, len(self.blocks))
         if logits_at is not None:

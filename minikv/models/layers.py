@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .attention import dense_attention
+from .rope import apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -85,11 +86,11 @@ def attend(q, k, v, positions, rope, layer_kv=None, window=None, decoding=False)
     """RoPE at absolute positions, then attention: by the policy's layer when there is one,
     else plain causal attention over these tokens alone (a forward without a cache).
 
-    q (B, Hq, T, D); k, v (B, Hkv, T, D); positions (B, T) -> (B, Hq, T, D)
+    q (B, Hq, T, D); k, v (B, Hkv, T, D); positions (B, T); rope = (cos, sin) (B, 1, T, R)
+    -> (B, Hq, T, D)
     """
-    rope_positions = positions.clamp(min=0)  # padding (-1) is never attended; any angle will do
-    q = rope.apply(q, rope_positions)
-    k = rope.apply(k, rope_positions)
+    q = apply_rotary(q, *rope)
+    k = apply_rotary(k, *rope)
     if layer_kv is None:
         return dense_attention(q, k, v, window=window)
     if decoding:
