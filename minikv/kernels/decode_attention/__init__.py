@@ -1,0 +1,21 @@
+"""decode_attention: one query step over a contiguous, preallocated KV cache (see reference.py)."""
+from __future__ import annotations
+
+import torch
+
+from .. import check_backend, load_fused
+from . import reference
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                     scale: float | None = None, *, window: int | None = None, return_lse: bool = False,
+                     backend: str = "eager"):
+    """q (B, Hq, D) over k, v (B, Hkv, L_cap, D) slots [0, lengths[b]) (the last `window` of them
+    if given; lengths >= 1) -> out (B, Hq, D) in q's dtype, plus lse (B, Hq) float32 if asked.
+    scale defaults to 1/sqrt(D). The triton backend wants q, k, v of one dtype."""
+    if check_backend(backend) == "eager":
+        return reference.decode_attention(q, k, v, lengths, scale, window, return_lse)
+    return load_fused("decode_attention").decode_attention(q, k, v, lengths, scale, window, return_lse)
+
+
+__all__ = ["decode_attention"]

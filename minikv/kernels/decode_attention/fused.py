@@ -1,0 +1,177 @@
+"""Decode attention over a contiguous KV cache, Triton kernels (flash-decoding).
+
+Two launches:
+  1. `_partial_kernel`, grid (B, Hkv, S): program (b, j, s) takes the slots of row b that fall in
+     split s, [s * split_len, (s + 1) * split_len), and attends to them with *all* the query heads
+     of KV group j at once, tiling the slots by BLOCK_N with an online softmax. Every K/V row is
+     read once per group instead of once per query head: with GQA that is the memory-traffic win
+     (3x for SmolLM2's 9 query heads over 3 KV heads). Splitting the slots gives a GPU enough
+     programs when B * Hkv alone is far below its SM count (one sequence, 3 KV heads).
+  2. `_combine_kernel`, grid (B, Hq): merges the S partial results by their log-sum-exps.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import empty, triton_interpreted
+
+LOG2E = 1.4426950408889634
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # Triton's interpreter keeps bfloat16 as raw uint16 and np.matmul's the bit patterns (still
+    # so in 3.9): there, multiply in float32 instead. bf16 * bf16 products are exact in float32,
+    # so this is the same arithmetic as the tensor-core path, up to summation order.
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _partial_kernel(
+    q_ptr, k_ptr, v_ptr, lengths_ptr, o_ptr, lse_ptr,
+    qk_scale,  # softmax scale * log2(e): the softmax runs in base 2, exp2 being the fast one
+    window, L_cap, split_len,
+    sqb, sqh, skb, skh, skl, svb, svh, svl,  # q, k, v strides (last dim contiguous)
+    sob, soh, sos, slb, slh,  # partial out (B, Hq, S, D) and lse (B, Hq, S) strides
+    GROUP: tl.constexpr, D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 caches: tf32 would cost ~1e-3 accuracy
+    UPCAST_DOT: tl.constexpr,  # bfloat16 under the interpreter, see _dot
+):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.minimum(tl.load(lengths_ptr + b).to(tl.int32), L_cap)
+    start = tl.maximum(split * split_len, tl.maximum(length - window, 0))
+    end = tl.minimum((split + 1) * split_len, length)
+
+    g = tl.arange(0, BLOCK_G)  # query heads of this group, padded to >= 16 rows for tl.dot
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    heads = kvh * GROUP + g
+    q_mask = (g < GROUP)[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + d[None, :], mask=q_mask, other=0.0)  # (BLOCK_G, BLOCK_D)
+
+    k_base = k_ptr + b * skb + kvh.to(tl.int64) * skh
+    v_base = v_ptr + b * svb + kvh.to(tl.int64) * svh
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of the base-2 scores
+    l = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)  # running sum of exp2(score - m) * v
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        # other=0: slots past the length hold garbage, maybe NaN, and 0 * NaN is NaN
+        k = tl.load(k_base + n[:, None].to(tl.int64) * skl + d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+        s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale  # (BLOCK_G, BLOCK_N)
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every tile holds >= 1 valid slot
+        alpha = tl.exp2(m - m_new)  # rescales what was summed under the old max; 0 on the first tile
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + n[:, None].to(tl.int64) * svl + d[None, :], mask=kv_mask, other=0.0)
+        # p is rounded to the cache dtype for the tensor cores, as flash attention does
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+        m = m_new
+
+    # An empty split (past the row's length, or before its window) leaves l = 0: it writes
+    # out = 0 and lse = -inf, which gives it weight 0 in the combine.
+    nonempty = l > 0
+    l_safe = tl.where(nonempty, l, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(nonempty, (m + tl.log2(l_safe)) * LN2, float("-inf"))  # back to natural log
+    o_rows = o_ptr + b * sob + heads[:, None] * soh + split * sos
+    tl.store(o_rows + d[None, :], out, mask=q_mask)
+    tl.store(lse_ptr + b * slb + heads * slh + split, lse, mask=g < GROUP)
+
+
+@triton.jit
+def _combine_kernel(
+    o_part_ptr, lse_part_ptr, out_ptr, lse_ptr,
+    S, sob, soh, sos, slb, slh, s_out_b, s_out_h,
+    Hq, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    lse_s = tl.load(lse_part_ptr + b * slb + h * slh + s, mask=s < S, other=float("-inf"))  # (BLOCK_S,)
+    top = tl.max(lse_s, axis=0)
+    w = tl.exp(lse_s - top)  # (BLOCK_S,) weight of each split, 0 for empty ones
+    mask = (s < S)[:, None] & (d < D)[None, :]
+    o_s = tl.load(o_part_ptr + b * sob + h * soh + s[:, None] * sos + d[None, :], mask=mask, other=0.0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * o_s, axis=0) / total  # (BLOCK_D,)
+    tl.store(out_ptr + b * s_out_b + h * s_out_h + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+    tl.store(lse_ptr + b * Hq + h, top + tl.log(total))
+
+
+@functools.lru_cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_split_len(B: int, Hkv: int, L_cap: int, device: torch.device, block_n: int) -> int:
+    """Slots per program: enough splits for ~2 programs per SM, none shorter than 256 slots, and
+    at most 64 splits (the combine holds all of a head's partials, (S, D), in registers)."""
+    if triton_interpreted():
+        return L_cap  # one split: interpreted programs cost time, parallelism buys nothing
+    n_sm = _sm_count(device)
+    splits = max(1, min(triton.cdiv(2 * n_sm, B * Hkv), triton.cdiv(L_cap, 256), 64))
+    return triton.cdiv(triton.cdiv(L_cap, splits), block_n) * block_n
+
+
+def launch(q, k, v, lengths, scale=None, window=None, return_lse=False, split_len=None, block_n=64):
+    """decode_attention with the launch parameters exposed (tests use them to force splits)."""
+    assert q.dim() == 3 and k.dim() == 4, f"want q (B, Hq, D), k (B, Hkv, L, D); got {tuple(q.shape)}, {tuple(k.shape)}"
+    B, Hq, D = q.shape
+    _, Hkv, L_cap, _ = k.shape
+    assert k.shape == v.shape and k.shape[0] == B and k.shape[3] == D, \
+        f"k {tuple(k.shape)} and v {tuple(v.shape)} must be (B, Hkv, L, D) for q {tuple(q.shape)}"
+    assert Hq % Hkv == 0, f"query heads {Hq} must be a multiple of KV heads {Hkv}"
+    assert q.dtype == k.dtype == v.dtype, f"one dtype for q, k, v, got {q.dtype}, {k.dtype}, {v.dtype}"
+    assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), q.dtype
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "the head dim must be contiguous"
+    assert lengths.shape == (B,) and not lengths.is_floating_point(), f"lengths must be (B,) int, got {lengths.shape}"
+    assert q.device == k.device == v.device == lengths.device, "all tensors on one device"
+    assert q.is_cuda or triton_interpreted(), "triton backend: tensors must be on a CUDA device"
+    assert block_n >= 16 and block_n & (block_n - 1) == 0, "block_n: a power of 2 >= 16 (tl.dot)"
+
+    scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    split_len = split_len or default_split_len(B, Hkv, L_cap, q.device, block_n)
+    S = triton.cdiv(L_cap, split_len)
+    o_part = empty((B, Hq, S, D), torch.float32, q.device)  # partial results of each split
+    lse_part = empty((B, Hq, S), torch.float32, q.device)
+    group = Hq // Hkv
+    _partial_kernel[(B, Hkv, S)](
+        q, k, v, lengths, o_part, lse_part,
+        scale * LOG2E, window if window is not None else L_cap, L_cap, split_len,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+        GROUP=group, D=D,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(D)),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32: the default, ignored for 16-bit
+        UPCAST_DOT=triton_interpreted() and q.dtype == torch.bfloat16,
+    )
+    out = empty((B, Hq, D), q.dtype, q.device)
+    lse = empty((B, Hq), torch.float32, q.device)
+    _combine_kernel[(B, Hq)](
+        o_part, lse_part, out, lse,
+        S, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+        out.stride(0), out.stride(1),
+        Hq, D=D, BLOCK_S=triton.next_power_of_2(S), BLOCK_D=triton.next_power_of_2(D),
+    )
+    return (out, lse) if return_lse else out
+
+
+def decode_attention(q, k, v, lengths, scale=None, window=None, return_lse=False):
+    return launch(q, k, v, lengths, scale, window, return_lse)

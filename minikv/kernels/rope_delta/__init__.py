@@ -1,0 +1,25 @@
+"""rope_delta: move RoPE-rotated keys from position p to p + delta (see reference.py)."""
+from __future__ import annotations
+
+import torch
+
+from .. import check_backend, load_fused
+from . import reference
+
+
+def rope_delta(x: torch.Tensor, delta, inv_freq: torch.Tensor, *, out: torch.Tensor | None = None,
+               backend: str = "eager") -> torch.Tensor:
+    """x (B, H, T, D) rotated by delta ((T,) or () int) with inv_freq (R/2,) float32; a new tensor
+    like x, or `out` when given (x itself, or memory disjoint from x). Channels >= R are copied
+    unchanged."""
+    if check_backend(backend) == "eager":
+        return reference.rope_delta(x, delta, inv_freq, out)
+    return load_fused("rope_delta").rope_delta(x, delta, inv_freq, out)
+
+
+def rope_delta_(x: torch.Tensor, delta, inv_freq: torch.Tensor, *, backend: str = "eager") -> torch.Tensor:
+    """In place: rotate x (B, H, T, D), e.g. a slice of a preallocated cache, by delta. Returns x."""
+    return rope_delta(x, delta, inv_freq, out=x, backend=backend)
+
+
+__all__ = ["rope_delta", "rope_delta_"]
