@@ -33,17 +33,20 @@ def decode_attention(q, k, v, lengths, scale=None, window=None, return_lse=False
     qg = q.float().reshape(B, Hkv, group, D)  # (B, Hkv, G, D): the query heads sharing a KV head
     scores = torch.einsum("bhgd,bhld->bhgl", qg, k.float()) * scale  # (B, Hkv, G, L)
 
-    slot = torch.arange(L, device=q.device)  # (L,)
-    n = lengths.to(q.device)[:, None]  # (B, 1)
-    visible = slot < n  # (B, L)
-    if window is not None:
-        visible &= slot >= n - window
-    # masked scores are -inf, and each row has at least one visible slot, so softmax has no NaN;
-    # where() rather than adding -inf keeps garbage (even NaN) in unused slots from leaking in.
-    scores = torch.where(visible[:, None, None, :], scores, float("-inf"))
+    vf = v.float()
+    if window is not None or bool((lengths != L).any()):
+        slot = torch.arange(L, device=q.device)  # (L,)
+        n = lengths.to(q.device)[:, None]  # (B, 1)
+        visible = slot < n  # (B, L)
+        if window is not None:
+            visible &= slot >= n - window
+        # masked scores are -inf, and each row has at least one visible slot, so softmax has no
+        # NaN; where() rather than adding -inf keeps garbage (even NaN) in unused slots out.
+        scores = torch.where(visible[:, None, None, :], scores, float("-inf"))
+        vf = torch.where(visible[:, None, :, None], vf, 0.0)  # 0 * NaN would still be NaN
+    # else every row reads all L slots (the caller sliced the cache to its length): no mask
 
     lse = torch.logsumexp(scores, dim=-1)  # (B, Hkv, G)
     p = torch.exp(scores - lse[..., None])  # (B, Hkv, G, L), exactly 0 on masked slots
-    vf = torch.where(visible[:, None, :, None], v.float(), 0.0)  # 0 * NaN would still be NaN
     out = torch.einsum("bhgl,bhld->bhgd", p, vf).reshape(B, Hq, D).to(q.dtype)
     return (out, lse.reshape(B, Hq)) if return_lse else out
