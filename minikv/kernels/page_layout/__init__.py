@@ -1,0 +1,22 @@
+"""page_layout: HND host blocks -> NHD device pool (see reference.py). `nhd_to_hnd`, the
+offload direction, runs once per page and stays eager."""
+from __future__ import annotations
+
+import torch
+
+from .. import check_backend, load_fused
+from . import reference
+from .reference import nhd_to_hnd
+
+
+def hnd_to_nhd(blocks: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, slots: torch.Tensor,
+               heads: torch.Tensor, *, backend: str = "eager") -> None:
+    """Write blocks (n, 2, P, D) into k_pages[slots[i], :, heads[i]] and v_pages likewise, in place."""
+    if check_backend(backend) == "eager":
+        return reference.hnd_to_nhd(blocks, k_pages, v_pages, slots, heads)
+    return load_fused("page_layout").hnd_to_nhd(blocks, k_pages, v_pages, slots, heads)
+
+
+page_layout = hnd_to_nhd  # the op's folder name
+
+__all__ = ["hnd_to_nhd", "nhd_to_hnd", "page_layout"]

@@ -1,0 +1,100 @@
+"""Page scores, group reduction and top-k per KV head in one Triton kernel.
+
+Grid (B, Hkv): program (b, m) owns KV head m of row b and every query head of its group. It holds
+all N candidate pages of the head in one register tile (BLOCK_N = next power of 2 >= N, enough for
+the ~256 pages of an 8k context at page size 32), so the softmax over pages, the mean over the
+group and the top-k never leave registers:
+
+  1. raw (BLOCK_G, BLOCK_N): sum over channels of max(q_d lo_d, q_d hi_d), one channel column at a
+     time (the digests are read once for the whole group, not once per query head);
+  2. the group reduction (softmax-mean, mean or max) to one score per page;
+  3. k rounds of arg-max with ties to the lowest page index, each taking its page out of the tile.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import triton_interpreted
+
+REDUCE_CODES = {"softmax_mean": 0, "mean": 1, "max": 2}
+
+
+@triton.jit
+def _page_scores_kernel(
+    q_ptr, lo_ptr, hi_ptr, n_valid_ptr, scores_ptr, index_ptr,
+    scale, N, K,
+    sqb, sqh, sqd, slb, slh, sln, shb, shh, shn,  # q, lo, hi strides (digest channel dim contiguous)
+    ssb, ssh, sib, sih,  # scores (B, Hkv, N) and index (B, Hkv, K) strides
+    GROUP: tl.constexpr, D: tl.constexpr, REDUCE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    m = tl.program_id(1).to(tl.int64)
+    n_valid = tl.minimum(tl.load(n_valid_ptr + b).to(tl.int32), N)
+    g = tl.arange(0, BLOCK_G)
+    n = tl.arange(0, BLOCK_N)
+    g_ok = g < GROUP
+    n_ok = n < n_valid
+    heads = m * GROUP + g
+
+    raw = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
+    for d in range(D):
+        qd = tl.load(q_ptr + b * sqb + heads * sqh + d * sqd, mask=g_ok, other=0.0).to(tl.float32)  # (BLOCK_G,)
+        # other=0: pages past n_valid hold garbage, maybe NaN
+        lo_d = tl.load(lo_ptr + b * slb + m * slh + n * sln + d, mask=n_ok, other=0.0).to(tl.float32)  # (BLOCK_N,)
+        hi_d = tl.load(hi_ptr + b * shb + m * shh + n * shn + d, mask=n_ok, other=0.0).to(tl.float32)
+        raw += tl.maximum(qd[:, None] * lo_d[None, :], qd[:, None] * hi_d[None, :])
+
+    valid = g_ok[:, None] & n_ok[None, :]
+    if REDUCE == 0:  # softmax over pages per query head, then mean over the group
+        logits = tl.where(valid, raw * scale, float("-inf"))
+        top = tl.maximum(tl.max(logits, axis=1), -3.0e38)  # finite for padded heads / empty rows
+        e = tl.exp(logits - top[:, None])
+        total = tl.maximum(tl.sum(e, axis=1), 1e-38)
+        reduced = tl.sum(e / total[:, None], axis=0) / GROUP  # (BLOCK_N,)
+    elif REDUCE == 1:
+        reduced = tl.sum(tl.where(valid, raw, 0.0), axis=0) / GROUP
+    else:
+        reduced = tl.max(tl.where(g_ok[:, None], raw, float("-inf")), axis=0)
+    scores = tl.where(n_ok, reduced, float("-inf"))
+    tl.store(scores_ptr + b * ssb + m * ssh + n, scores, mask=n < N)
+
+    # top-k: k rounds of "largest score, lowest index among equals", as a stable descending sort
+    work = scores
+    for j in range(K):
+        best = tl.max(work, axis=0)
+        pick = tl.min(tl.where((work == best) & (n < N), n, BLOCK_N), axis=0)
+        found = best > float("-inf")
+        tl.store(index_ptr + b * sib + m * sih + j, tl.where(found, pick, -1).to(tl.int64))
+        work = tl.where(n == pick, float("-inf"), work)
+
+
+def page_scores(q, lo, hi, n_valid, k, scale=1.0, group_reduce="softmax_mean"):
+    assert q.dim() == 3 and lo.dim() == 4, f"q (B, Hq, D) and lo (B, Hkv, N, D), got {tuple(q.shape)}, {tuple(lo.shape)}"
+    B, Hq, D = q.shape
+    _, Hkv, N, _ = lo.shape
+    assert lo.shape == hi.shape and lo.shape[0] == B and lo.shape[3] == D, f"lo {tuple(lo.shape)}, hi {tuple(hi.shape)}, q {tuple(q.shape)}"
+    assert Hq % Hkv == 0, f"query heads {Hq} must be a multiple of KV heads {Hkv}"
+    assert lo.stride(-1) == hi.stride(-1) == 1, "the digests' channel dim must be contiguous"
+    assert n_valid.shape == (B,) and not n_valid.is_floating_point(), f"n_valid must be (B,) int, got {n_valid.shape}"
+    assert q.device == lo.device == hi.device == n_valid.device, "all tensors on one device"
+    assert 1 <= k <= N, f"k must be in [1, {N}], got {k}"
+    assert N <= 16384, f"one register tile holds all pages of a head: N = {N} is too many"
+    fill = float("nan") if triton_interpreted() else None  # poisoned: an unwritten score fails loudly
+    scores = torch.empty((B, Hkv, N), dtype=torch.float32, device=q.device)
+    if fill is not None:
+        scores.fill_(fill)
+    index = torch.full((B, Hkv, k), -7, dtype=torch.int64, device=q.device)
+    G = Hq // Hkv
+    _page_scores_kernel[(B, Hkv)](
+        q, lo, hi, n_valid, scores, index,
+        float(scale), N, k,
+        q.stride(0), q.stride(1), q.stride(2), lo.stride(0), lo.stride(1), lo.stride(2),
+        hi.stride(0), hi.stride(1), hi.stride(2),
+        scores.stride(0), scores.stride(1), index.stride(0), index.stride(1),
+        GROUP=G, D=D, REDUCE=REDUCE_CODES[group_reduce],
+        BLOCK_G=triton.next_power_of_2(G), BLOCK_N=max(16, triton.next_power_of_2(N)),
+    )
+    return scores, index

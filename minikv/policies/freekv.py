@@ -1,0 +1,204 @@
+"""freekv: speculative page retrieval with fine-grained correction (FreeKV, ICLR 2026; paper 002).
+
+The full KV cache is offloaded to the host tier in pages of 32 tokens (paged.py); the device tier
+keeps the sink pages, the recent window (its last page partly filled) and, per KV head, the
+`budget` worth of pages chosen by a Quest-style selection:
+
+  * page score per query head, P_h[n] = sum_d max(q_d lo_{n,d}, q_d hi_{n,d}), over per-channel
+    key boxes (min/max, or ArkVale's box), and *group-consistent selection*: softmax over pages
+    per query head, mean over the GQA group, top-k per KV head, so that a group reads one set of
+    pages (kernels/page_scores; the paper's S_m = sum_j softmax(P_{(m-1)G+j}) / G).
+  * speculative retrieval: step t attends with the pages selected with q_{t-1}; selection with
+    q_t and the recall of its missing pages run *after* step t's attention, for step t + 1 (on a
+    CUDA side stream they overlap the rest of the forward; on the CPU they run in order).
+  * fine-grained correction: per KV head m, C_m = mean over the group of cos(q_t, q_{t-1}); where
+    C_m < tau the head's pages are selected with q_t and recalled *before* attention. If any head
+    needs it, the selection runs once for all KV heads and the others reuse it for the background
+    recall (as the paper does).
+
+`speculative=off` is plain Quest-style retrieval on the same machinery: select with q_t and recall
+before every attention. Budget (DESIGN.md): the most tokens per KV head per layer that attention
+reads on the device, sink and window included, so budget = sink + window + P * (selected pages).
+Layers below `skip_layers` keep full KV. Prefill attention is dense over the prompt (as Quest and
+FreeKV); retrieval governs decoding. Decision where the paper is vague: the page softmax uses the
+attention scale 1/sqrt(D) on P_h, as the page's would-be attention logit.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.page_scores import GROUP_REDUCES, page_scores
+from .base import LayerKV, Policy, dense_attention, register
+from .full import FullLayer
+from .paged import DIGESTS, PagedKV
+
+
+class FreeKVLayer(LayerKV):
+    def __init__(self, policy: "FreeKV", index: int):
+        super().__init__(policy, index)
+        cfg, P = policy.cfg, policy.page_size
+        self.K = policy.n_select
+        self.kv = PagedKV(n_kv=cfg.n_kv_heads, head_dim=cfg.head_dim, page_size=P, max_len=policy.max_len,
+                          n_sink=policy.sink // P, n_select=self.K, n_window=policy.window // P,
+                          dtype=policy.dtype, tiers=policy.tiers, digest=policy.digest, backend=policy.backend)
+        self.G = cfg.n_heads // cfg.n_kv_heads
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.prev_q = None  # (1, Hq, D) the previous step's query
+        self.selection = torch.full((cfg.n_kv_heads, self.K), -1, dtype=torch.int64)  # what the slots hold
+
+    # -- selection ---------------------------------------------------------------------------
+    def select(self, q: torch.Tensor) -> torch.Tensor:
+        """Group-consistent top-K candidate pages per KV head for q (1, Hq, D) -> (Hkv, K), -1 pads."""
+        t0 = time.perf_counter()
+        kv, n = self.kv, self.kv.n_cand
+        out = torch.full((kv.Hkv, self.K), -1, dtype=torch.int64)
+        if n:
+            k = min(self.K, n)
+            n_valid = torch.tensor([n], device=q.device)
+            _, index = page_scores(q, kv.lo[:, :, :n], kv.hi[:, :, :n], n_valid, k, self.scale,
+                                   self.policy.group_reduce, backend=self.policy.backend)  # (1, Hkv, k)
+            out[:, :k] = index[0].cpu()
+        self.policy.t_select += time.perf_counter() - t0
+        return out
+
+    def recall(self, selection: torch.Tensor, heads=None, background=False) -> None:
+        t0 = time.perf_counter()
+        self.kv.recall(selection, heads, background)
+        self.selection = selection if heads is None else torch.where(heads[:, None], selection, self.selection)
+        self.policy.t_recall += time.perf_counter() - t0
+
+    def _count_speculation(self, exact: torch.Tensor) -> None:
+        # did the pages chosen with q_{t-1} equal those q_t chooses? (a set comparison per KV head)
+        same = (self.selection.sort(1).values == exact.sort(1).values).all(1)
+        self.policy.spec_equal += int(same.sum())
+        self.policy.spec_compared += same.numel()
+
+    # -- the contract ------------------------------------------------------------------------
+    def prefill(self, q, k, v, positions):
+        # q (1, Hq, T, D); k, v (1, Hkv, T, D): dense attention over the prompt, then page it
+        out = dense_attention(q, k, v)
+        self.kv.prefill(k, v)
+        self.prev_q = q[:, :, -1]  # (1, Hq, D)
+        self.recall(self.select(self.prev_q))  # the pages the first decode step will read
+        self.kv.pages_recalled = 0  # stats count recalls while decoding
+        return out
+
+    def decode(self, q, k, v, positions):
+        # q (1, Hq, 1, D); k, v (1, Hkv, 1, D)
+        pol, kv = self.policy, self.kv
+        q1 = q[:, :, 0]  # (1, Hq, D)
+        kv.append(k, v)
+        retrieving = kv.n_cand > self.K  # else every candidate is resident: nothing to choose
+        exact = None
+        if not pol.speculative:  # Quest: select and recall on the critical path, every step
+            if kv.n_cand:
+                exact = self.select(q1)
+                self.recall(exact)
+        elif retrieving:
+            t0 = time.perf_counter()
+            # correction signal, per KV head: C_m = mean_j cos(q_t, q_{t-1}) over the group
+            sim = F.cosine_similarity(q1[0].float(), self.prev_q[0].float(), dim=-1)  # (Hq,)
+            corr = (sim.view(-1, self.G).mean(1) < pol.tau).cpu()  # (Hkv,)
+            pol.t_select += time.perf_counter() - t0
+            pol.head_steps += corr.numel()
+            if corr.any():
+                pol.corrected_heads += int(corr.sum())
+                pol.corrected_steps += 1
+                exact = self.select(q1)  # once for all KV heads
+                self._count_speculation(exact)
+                self.recall(exact, heads=corr)  # the drifted heads, before attention
+        pol.layer_steps += 1
+
+        out = kv.attend(q1)[:, :, None]  # (1, Hq, 1, D)
+
+        rolled = kv.roll()  # the last page filled up: the oldest window page became a candidate
+        if pol.speculative:
+            # after attention, off the critical path: next step's pages, selected with q_t
+            if retrieving and exact is None:
+                exact = self.select(q1)
+                self._count_speculation(exact)
+            if rolled:  # select again so that the new candidate competes too
+                exact = self.select(q1)
+            if exact is not None:
+                self.recall(exact, background=True)
+        self.prev_q = q1
+        return out
+
+    def device_tokens(self) -> float:
+        return self.kv.device_tokens()
+
+    def host_tokens(self) -> int:
+        return self.kv.host_tokens()
+
+    def allocated_device_tokens(self) -> int:
+        return self.kv.S * self.kv.P
+
+
+@register
+class FreeKV(Policy):
+    """Speculative page retrieval with fine-grained correction over a paged, offloaded KV cache."""
+
+    name = "freekv"
+    max_batch = 1
+
+    def __init__(self, *, page_size: int = 32, budget: int = 256, sink: int = 32, window: int = 32,
+                 tau: float = 0.9, speculative: bool = True, group_reduce: str = "softmax_mean",
+                 digest: str = "minmax", skip_layers: int = 0, backend: str = "eager"):
+        super().__init__(backend=backend)
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        for name, value in (("budget", budget), ("sink", sink), ("window", window)):
+            if not isinstance(value, int) or value < 0 or value % page_size:
+                raise ValueError(f"{name} must be a non-negative multiple of page_size={page_size}, got {value!r}")
+        if window < page_size:
+            raise ValueError(f"window must be >= page_size={page_size} (the partly filled last page), got {window}")
+        if budget < sink + window + page_size:
+            raise ValueError(f"budget must be >= sink + window + page_size = {sink + window + page_size} "
+                             f"(at least one selected page), got {budget}")
+        if not -1.0 <= tau <= 1.0:
+            raise ValueError(f"tau is a cosine-similarity threshold in [-1, 1], got {tau}")
+        if group_reduce not in GROUP_REDUCES:
+            raise ValueError(f"group_reduce must be one of {GROUP_REDUCES}, got {group_reduce!r}")
+        if digest not in DIGESTS:
+            raise ValueError(f"digest must be one of {DIGESTS}, got {digest!r}")
+        if not isinstance(skip_layers, int) or skip_layers < 0:
+            raise ValueError(f"skip_layers must be an int >= 0 (the first layers keep full KV), got {skip_layers!r}")
+        self.page_size, self.budget, self.sink, self.window = page_size, budget, sink, window
+        self.n_select = (budget - sink - window) // page_size
+        self.tau, self.speculative, self.group_reduce = float(tau), bool(speculative), group_reduce
+        self.digest, self.skip_layers = digest, skip_layers
+
+    def validate(self, cfg):
+        if self.skip_layers > cfg.n_layers:
+            raise ValueError(f"skip_layers must be <= the model's {cfg.n_layers} layers, got {self.skip_layers}")
+        if cfg.sliding_window is not None and cfg.sliding_window < self.max_len:
+            raise ValueError("freekv does not combine with a sliding-window model (Mistral) shorter than max_len")
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        self.layer_steps = self.head_steps = self.corrected_heads = self.corrected_steps = 0
+        self.spec_equal = self.spec_compared = 0
+        self.t_select = self.t_recall = 0.0
+
+    def make_layer(self, index: int) -> LayerKV:
+        return FullLayer(self, index) if index < self.skip_layers else FreeKVLayer(self, index)
+
+    def stats(self) -> dict:
+        s = super().stats()
+        paged = [layer for layer in self.layers if isinstance(layer, FreeKVLayer)]
+        recalled = sum(layer.kv.pages_recalled for layer in paged)
+        decode_steps = max(self.steps - 1, 0)
+        s.update({
+            "correction_rate": self.corrected_heads / self.head_steps if self.head_steps else 0.0,
+            "correction_step_rate": self.corrected_steps / self.layer_steps if self.layer_steps else 0.0,
+            "pages_recalled": recalled,
+            "pages_recalled_per_step": recalled / decode_steps if decode_steps else float(recalled),
+            "speculative_exact_rate": self.spec_equal / self.spec_compared if self.spec_compared else float("nan"),
+            "select_s": self.t_select,
+            "recall_s": self.t_recall,
+        })
+        return s

@@ -1,0 +1,244 @@
+"""Paged KV storage of one layer, shared by the page-based policies (freekv; icecache reuses it).
+
+A sequence's tokens fall into logical pages of P tokens: page p holds tokens [p P, (p + 1) P).
+Three kinds of pages, each with its own home:
+
+    sink pages      pages 0 .. n_sink-1: stay on the device tier for good, read by every step
+    window pages    the n_window most recent pages, the last one partly filled: on the device
+                    tier, in a ring of slots; when the last page fills up and the ring is full,
+                    the oldest window page is *offloaded*: copied to the host tier in HND layout
+                    and summarised by a digest, after which it is a *candidate*
+    candidates      pages that left the window: their full KV lives on the host tier, and
+                    `recall` brings a chosen few per KV head back into n_select device slots
+
+Device tier, NHD (FreeKV's GPU layout): k_pages, v_pages (S, P, Hkv, D), S = n_sink + n_select +
+n_window slots, in that order. Slot s of KV head m holds whatever page head m put there: the sink
+and window slots hold the same page for all heads, the selected slots a page per head. Attention
+reads them through `page_table` (1, Hkv, S) and `page_lens` (1, Hkv, S): the number of valid
+tokens of each slot, P for a full page, less for the partly filled last page (masked, never
+padded into attention), 0 for an unused slot.
+
+Host tier, HND (FreeKV's CPU layout): host (max_pages, Hkv, 2, P, D) indexed by candidate number
+c (page n_sink + c), so that one page of one KV head, keys and values, is one contiguous block of
+2 P D elements: a recall copies whole blocks. Digests (1, Hkv, max_pages, D) lo and hi, computed
+when a page is offloaded: Quest's per-channel min and max of the page's keys ("minmax"), or
+ArkVale's box around the centre, centre +- mean |k - centre| ("arkvale").
+
+Recall is incremental: given a new selection per KV head, only the pages not already resident are
+copied, into the slots of resident pages that fell out of the selection (those with the lowest
+current scores). On CUDA the copy runs on a side stream through two pinned staging buffers used in
+turn, with events, so it overlaps compute; `wait_recall` makes the main stream wait before the next
+attention. On the CPU the same steps run in order (host and device are both CPU memory: the
+copies happen and are counted, nothing is saved).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..kernels.page_layout import hnd_to_nhd, nhd_to_hnd
+from ..kernels.paged_attention import paged_attention
+
+DIGESTS = ("minmax", "arkvale")
+
+
+def page_digest(k: torch.Tensor, kind: str = "minmax") -> tuple[torch.Tensor, torch.Tensor]:
+    """Box (lo, hi) of each page's keys per channel: k (n, Hkv, P, D) -> lo, hi (n, Hkv, D)."""
+    kmin, kmax = k.amin(dim=2), k.amax(dim=2)
+    if kind == "minmax":  # Quest: the tightest box holding every key
+        return kmin, kmax
+    if kind == "arkvale":  # ArkVale's cuboid: centre +- the mean distance of the keys to it
+        centre = (kmin + kmax) / 2
+        radius = (k - centre[:, :, None]).abs().mean(dim=2)
+        return centre - radius, centre + radius
+    raise ValueError(f"digest must be one of {DIGESTS}, got {kind!r}")
+
+
+class PagedKV:
+    """Paged KV of one layer for one sequence (batch 1). See the module docstring."""
+
+    def __init__(self, *, n_kv: int, head_dim: int, page_size: int, max_len: int, n_sink: int, n_select: int,
+                 n_window: int, dtype: torch.dtype, tiers, digest: str = "minmax", backend: str = "eager"):
+        if n_window < 1:
+            raise ValueError(f"n_window must be >= 1 (the partly filled last page is always attended), got {n_window}")
+        if digest not in DIGESTS:
+            raise ValueError(f"digest must be one of {DIGESTS}, got {digest!r}")
+        self.P, self.Hkv, self.D = page_size, n_kv, head_dim
+        self.n_sink, self.n_select, self.n_window = n_sink, n_select, n_window
+        self.digest, self.backend, self.tiers = digest, backend, tiers
+        self.max_pages = max(1, math.ceil(max_len / page_size))
+        self.S = n_sink + n_select + n_window
+        self.w0 = n_sink + n_select  # first window slot
+        dev, P, H, D = tiers.device, page_size, n_kv, head_dim
+        self.k_pages = torch.zeros(self.S, P, H, D, dtype=dtype, device=dev)  # NHD device pool
+        self.v_pages = torch.zeros(self.S, P, H, D, dtype=dtype, device=dev)
+        self.page_table = torch.arange(self.S, dtype=torch.int32, device=dev).expand(1, H, self.S).contiguous()
+        self.page_lens = torch.zeros(1, H, self.S, dtype=torch.int32, device=dev)
+        self.host = torch.empty(self.max_pages, H, 2, P, D, dtype=dtype, pin_memory=tiers.pin)  # HND host tier
+        self.lo = torch.zeros(1, H, self.max_pages, D, dtype=dtype, device=dev)  # digests, on the device
+        self.hi = torch.zeros(1, H, self.max_pages, D, dtype=dtype, device=dev)
+        # candidate number held by each selected slot of each KV head, -1 = empty (host-side bookkeeping)
+        self.resident = torch.full((H, n_select), -1, dtype=torch.int64)
+        self.length = 0  # tokens stored
+        self.n_cand = 0  # pages offloaded so far = candidates
+        self.pages_recalled = 0
+        self.cuda = dev.type == "cuda"
+        self._buf = 0
+        n_stage = max(1, H * n_select)  # one recall moves at most every selected slot of every head
+        self.stage_host = [torch.empty(n_stage, 2, P, D, dtype=dtype, pin_memory=tiers.pin) for _ in range(2)]
+        self.stage_dev = [torch.empty(n_stage, 2, P, D, dtype=dtype, device=dev) for _ in range(2)]
+        if self.cuda:
+            self.side = torch.cuda.Stream(device=dev)
+            self.buf_free = [torch.cuda.Event(), torch.cuda.Event()]
+            self.ready = torch.cuda.Event()
+
+    # -- where pages live --------------------------------------------------------------------
+    def slot_of(self, page: int) -> int:
+        """Device slot of a sink or window page."""
+        return page if page < self.n_sink else self.w0 + (page - self.n_sink) % self.n_window
+
+    def device_tokens(self) -> float:
+        return float(self.page_lens.sum()) / self.Hkv
+
+    def host_tokens(self) -> int:
+        return self.n_cand * self.P
+
+    # -- writing -----------------------------------------------------------------------------
+    def prefill(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store a prompt: k, v (1, Hkv, T, D). Ends in the state T appends would reach."""
+        T, P = k.shape[2], self.P
+        n_pages = math.ceil(T / P)
+        if n_pages > self.max_pages:
+            raise ValueError(f"{T} tokens exceed the capacity of {self.max_pages} pages of {P}")
+        sink = min(n_pages, self.n_sink)
+        rest = n_pages - sink
+        # after the last token of a full page, a full ring has already rolled (see append)
+        kept = min(rest, self.n_window - 1 if T % P == 0 else self.n_window)
+        n_cand = rest - kept
+        for p in list(range(sink)) + list(range(sink + n_cand, n_pages)):  # sink and window pages
+            self._write_page(p, k[0, :, p * P:(p + 1) * P], v[0, :, p * P:(p + 1) * P])
+        if n_cand:
+            a, b = sink * P, (sink + n_cand) * P
+            kc = k[0, :, a:b].reshape(self.Hkv, n_cand, P, self.D).permute(1, 2, 0, 3)  # (n, P, Hkv, D) NHD view
+            vc = v[0, :, a:b].reshape(self.Hkv, n_cand, P, self.D).permute(1, 2, 0, 3)
+            self._offload(kc, vc)
+        self.length = T
+
+    def _write_page(self, page: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        # k, v (Hkv, n, D), n <= P tokens of one page -> its sink or window slot
+        s, n = self.slot_of(page), k.shape[1]
+        self.k_pages[s, :n] = k.transpose(0, 1)
+        self.v_pages[s, :n] = v.transpose(0, 1)
+        self.page_lens[0, :, s] = n
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One new token: k, v (1, Hkv, 1, D) into the partly filled last page of the window."""
+        page, off = divmod(self.length, self.P)
+        if page >= self.max_pages:
+            raise ValueError(f"the sequence outgrew max_len ({self.max_pages * self.P} tokens)")
+        s = self.slot_of(page)
+        self.k_pages[s, off] = k[0, :, 0]
+        self.v_pages[s, off] = v[0, :, 0]
+        self.page_lens[0, :, s] = off + 1
+        self.length += 1
+
+    def roll(self) -> bool:
+        """If the last page just filled up and the window ring is full, offload the oldest window
+        page so that its slot takes the next page. Call after each step's attention; returns True
+        when a page became a candidate (the selection must then be recomputed)."""
+        if self.length % self.P or self.length <= self.n_sink * self.P:
+            return False
+        first_window = self.n_sink + self.n_cand
+        last = self.length // self.P - 1
+        if last - first_window + 1 < self.n_window:
+            return False
+        s = self.slot_of(first_window)
+        self._offload(self.k_pages[s:s + 1], self.v_pages[s:s + 1])
+        self.page_lens[0, :, s] = 0
+        return True
+
+    def _offload(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        # k, v (n, P, Hkv, D) NHD pages leaving the device -> host HND blocks + digests.
+        # The NHD -> HND transpose happens here, once per page, so that recalls copy whole blocks.
+        n, c = k.shape[0], self.n_cand
+        blocks = nhd_to_hnd(k, v)  # (n, Hkv, 2, P, D)
+        self.host[c:c + n].copy_(blocks)
+        self.tiers.bytes_to_host += blocks.numel() * blocks.element_size()
+        lo, hi = page_digest(blocks[:, :, 0], self.digest)  # (n, Hkv, D)
+        self.lo[0, :, c:c + n] = lo.transpose(0, 1)
+        self.hi[0, :, c:c + n] = hi.transpose(0, 1)
+        self.n_cand += n
+
+    # -- recall ------------------------------------------------------------------------------
+    def recall(self, selection: torch.Tensor, heads: torch.Tensor | None = None, background: bool = False) -> int:
+        """Make the selected slots hold `selection` (Hkv, n_select) candidate numbers (-1: none),
+        for the KV heads where `heads` (Hkv,) bool is True (all by default). Copies only missing
+        pages. Returns the number of pages copied."""
+        sel = selection.to("cpu").long()  # bookkeeping is host-side (on CUDA: one small sync)
+        if heads is not None:
+            sel = torch.where(heads.to("cpu")[:, None], sel, self.resident)
+        res = self.resident
+        resident_new = (sel[:, :, None] == res[:, None, :]).any(-1)  # (Hkv, K) selected page already there
+        missing = (sel >= 0) & ~resident_new
+        free = (res < 0) | ~(res[:, :, None] == sel[:, None, :]).any(-1)  # (Hkv, K) empty, or its page was dropped
+        # pair the j-th missing page of a head with its j-th free slot; a head has at least as
+        # many free slots as missing pages, the selection holding no duplicates
+        miss_order = torch.sort(missing.int(), dim=1, descending=True, stable=True).indices
+        free_order = torch.sort(free.int(), dim=1, descending=True, stable=True).indices
+        take = torch.arange(self.n_select)[None, :] < missing.sum(1, keepdim=True)  # (Hkv, K)
+        pages = sel.gather(1, miss_order)[take]  # (n,) candidate numbers to copy
+        slots = free_order[take]  # (n,) selected-slot numbers they go to
+        kv_heads = torch.arange(self.Hkv)[:, None].expand_as(take)[take]
+        self.resident = torch.where(free, -1, res)
+        self.resident[kv_heads, slots] = pages
+        n = int(pages.numel())
+        if n:
+            self._copy_in(pages * self.Hkv + kv_heads, self.n_sink + slots, kv_heads, background)
+        lens = torch.where(self.resident >= 0, self.P, 0).to(torch.int32)  # (Hkv, K)
+        self.page_lens[0, :, self.n_sink:self.w0].copy_(lens, non_blocking=True)
+        self.pages_recalled += n
+        return n
+
+    def _copy_in(self, flat: torch.Tensor, slots: torch.Tensor, heads: torch.Tensor, background: bool) -> None:
+        # flat (n,) rows of host viewed as (max_pages * Hkv, 2, P, D): gather the blocks into a
+        # staging buffer (one contiguous host read per block), copy it to the device in one
+        # transfer, then the HND -> NHD kernel scatters the blocks into their slots.
+        n, buf = flat.numel(), self._buf
+        self._buf ^= 1  # two staging buffers in turn: the next gather need not wait for this copy
+        host_rows = self.host.view(-1, 2, self.P, self.D)
+        if not self.cuda:
+            torch.index_select(host_rows, 0, flat, out=self.stage_host[buf][:n])
+            blocks = self.stage_dev[buf][:n]
+            blocks.copy_(self.stage_host[buf][:n])
+            self.tiers.bytes_to_device += blocks.numel() * blocks.element_size()
+            hnd_to_nhd(blocks, self.k_pages, self.v_pages, slots, heads, backend=self.backend)
+            return
+        self.buf_free[buf].synchronize()  # the transfer that last read this pinned buffer is done
+        torch.index_select(host_rows, 0, flat, out=self.stage_host[buf][:n])
+        main = torch.cuda.current_stream()
+        stream = self.side if background else main
+        stream.wait_stream(main)  # selection, and this step's attention over the old slots, first
+        with torch.cuda.stream(stream):
+            blocks = self.stage_dev[buf][:n]
+            blocks.copy_(self.stage_host[buf][:n], non_blocking=True)
+            hnd_to_nhd(blocks, self.k_pages, self.v_pages, slots.to(blocks.device, non_blocking=True),
+                       heads.to(blocks.device, non_blocking=True), backend=self.backend)
+            self.buf_free[buf].record(stream)
+            self.ready.record(stream)
+        self.tiers.bytes_to_device += n * 2 * self.P * self.D * blocks.element_size()
+
+    def wait_recall(self) -> None:
+        """Before attention: the main stream waits for a background recall into these slots."""
+        if self.cuda:
+            torch.cuda.current_stream().wait_event(self.ready)
+
+    # -- reading -----------------------------------------------------------------------------
+    def attend(self, q: torch.Tensor) -> torch.Tensor:
+        """q (1, Hq, D) over every device slot with a token -> (1, Hq, D)."""
+        self.wait_recall()
+        return paged_attention(q, self.k_pages, self.v_pages, self.page_table, self.page_lens, backend=self.backend)
+
+    def host_page(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Candidate c's keys and values as stored on the host: (Hkv, P, D) each."""
+        return self.host[c, :, 0], self.host[c, :, 1]

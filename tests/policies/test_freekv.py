@@ -1,0 +1,202 @@
+"""freekv: group-consistent selection (every query head of a GQA group reads its KV head's pages,
+the budget holds, sink and window pages are always read) against an oracle that rebuilds the
+digests from the raw keys; speculation (pages chosen with q_{t-1}) and correction (tau); a budget
+covering the context equals full KV (a small random model and SmolLM2); stats; parameter errors."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minikv.config import ModelConfig
+from minikv.kernels.page_scores import reference as ps_reference
+from minikv.models.attention import dense_attention
+from minikv.policies import make
+from minikv.policies.paged import page_digest
+
+TINY = ModelConfig(model_type="llama", vocab_size=64, hidden_size=48, intermediate_size=64, n_layers=2,
+                   n_heads=6, n_kv_heads=2, head_dim=16, max_position_embeddings=4096, rotary_dim=16)
+
+
+def oracle_pages(q, keys, P, n_sink, n_window, K, group_reduce="softmax_mean", digest="minmax"):
+    """The candidate pages a query selects, from scratch: q (1, Hq, D), keys (1, Hkv, L, D) of every
+    token so far -> (Hkv, K) candidate numbers (-1 pads). Candidates: the pages before the window."""
+    L = keys.shape[2]
+    n_cand = max(0, -(-L // P) - n_sink - n_window)
+    if n_cand == 0:
+        return torch.full((keys.shape[1], K), -1)
+    pages = keys[0, :, n_sink * P:(n_sink + n_cand) * P].reshape(keys.shape[1], n_cand, P, -1)  # (Hkv, n, P, D)
+    lo, hi = page_digest(pages.transpose(0, 1), digest)  # (n, Hkv, D)
+    k = min(K, n_cand)
+    _, index = ps_reference.page_scores(q, lo.transpose(0, 1)[None], hi.transpose(0, 1)[None], torch.tensor([n_cand]),
+                                        k, 1 / math.sqrt(q.shape[-1]), group_reduce)
+    return torch.cat((index[0], torch.full((keys.shape[1], K - k), -1)), dim=1)
+
+
+def visible_tokens(pages, L, P, n_sink, n_window):
+    """Per KV head, the token indices attention must read: sink, selected pages, window."""
+    n_pages = -(-L // P)
+    first_window = max(n_sink, n_pages - n_window)
+    out = []
+    for row in pages.tolist():
+        toks = list(range(min(L, n_sink * P)))
+        for c in sorted(c for c in row if c >= 0):
+            toks += range((n_sink + c) * P, (n_sink + c + 1) * P)
+        toks += range(first_window * P, L)
+        out.append(toks)
+    return out
+
+
+def oracle_attention(q, keys, values, toks):
+    """Dense attention where query heads of group m read exactly toks[m]."""
+    G = q.shape[1] // keys.shape[1]
+    outs = []
+    for m, t in enumerate(toks):
+        idx = torch.tensor(t)
+        outs.append(dense_attention(q[:, m * G:(m + 1) * G], keys[:, m:m + 1, idx], values[:, m:m + 1, idx]))
+    return torch.cat(outs, dim=1)
+
+
+@st.composite
+def freekv_cases(draw):
+    P = draw(st.sampled_from([2, 4]))
+    sink, window, select = draw(st.integers(0, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    return dict(P=P, sink=sink * P, window=window * P, budget=(sink + window + select) * P,
+                T=draw(st.integers(1, 30)), steps=draw(st.integers(1, 12)),
+                mode=draw(st.sampled_from(["quest", "speculate", "correct"])),
+                group_reduce=draw(st.sampled_from(["softmax_mean", "mean", "max"])),
+                digest=draw(st.sampled_from(["minmax", "arkvale"])), seed=draw(st.integers(0, 2**16)))
+
+
+def spec_of(case, backend="eager"):
+    tau = {"quest": 0.9, "speculate": -1.0, "correct": 1.0}[case["mode"]]
+    return (f"freekv:page_size={case['P']},budget={case['budget']},sink={case['sink']},window={case['window']},"
+            f"tau={tau},speculative={case['mode'] != 'quest'},group_reduce={case['group_reduce']},"
+            f"digest={case['digest']},backend={backend}")
+
+
+def run_against_oracle(case, backend="eager"):
+    policy = make(spec_of(case, backend)).bind(TINY, device="cpu", dtype=torch.float32, max_len=80)
+    P, n_sink, n_window = case["P"], case["sink"] // case["P"], case["window"] // case["P"]
+    K = policy.n_select
+    g = torch.Generator().manual_seed(case["seed"])
+    keys, values, prev_q = [None] * TINY.n_layers, [None] * TINY.n_layers, [None] * TINY.n_layers
+    for step in range(case["steps"] + 1):
+        T = case["T"] if step == 0 else 1
+        for i, layer in enumerate(policy.layers):
+            q = torch.randn(1, TINY.n_heads, T, TINY.head_dim, generator=g)
+            k = torch.randn(1, TINY.n_kv_heads, T, TINY.head_dim, generator=g)
+            v = torch.randn(1, TINY.n_kv_heads, T, TINY.head_dim, generator=g)
+            keys[i] = k if step == 0 else torch.cat((keys[i], k), 2)
+            values[i] = v if step == 0 else torch.cat((values[i], v), 2)
+            if step == 0:
+                layer.prefill(q, k, v, None)
+                prev_q[i] = q[:, :, -1]
+                continue
+            out = layer.decode(q, k, v, None)
+            q1 = q[:, :, 0]
+            # speculation without correction reads the pages q_{t-1} chose; quest and an always-
+            # correcting tau read those q_t chooses
+            probe = prev_q[i] if case["mode"] == "speculate" else q1
+            pages = oracle_pages(probe, keys[i], P, n_sink, n_window, K, case["group_reduce"], case["digest"])
+            L = keys[i].shape[2]
+            toks = visible_tokens(pages, L, P, n_sink, n_window)
+            # group-consistent: every query head of group m reads toks[m], and nothing else
+            torch.testing.assert_close(out[:, :, 0], oracle_attention(q1[:, :, None], keys[i], values[i], toks)[:, :, 0])
+            # the budget holds, sink and window always present
+            assert all(len(t) <= case["budget"] for t in toks)
+            assert layer.device_tokens() <= case["budget"]  # (after the step's roll and background recall)
+            prev_q[i] = q1
+        policy.end_step()
+    return policy
+
+
+@settings(max_examples=10)
+@given(case=freekv_cases())
+def test_group_consistent_selection_budget_sink_window_hold(case):
+    policy = run_against_oracle(case)
+    s = policy.stats()
+    assert 0 <= s["correction_rate"] <= 1 and s["pages_recalled"] >= 0
+    if case["mode"] == "correct" and policy.head_steps:
+        assert s["correction_rate"] == 1.0  # cos < 1 for random queries: every head corrected
+    if case["mode"] == "speculate":
+        assert s["correction_rate"] == 0.0
+
+
+@settings(max_examples=3)
+@given(case=freekv_cases())
+def test_group_consistent_selection_triton_backend_matches_oracle(case):
+    case.update(steps=min(case["steps"], 4))
+    run_against_oracle(case, backend="triton")
+
+
+def tiny_model(seed=0):
+    from minikv.models.llama import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(TINY).eval()
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_budget_covering_the_context_equals_full_kv_random_model(speculative):
+    model = tiny_model()
+    ids = torch.randint(0, TINY.vocab_size, (1, 45), generator=torch.Generator().manual_seed(1))
+    logits = {}
+    for spec in ("full", f"freekv:page_size=4,budget=96,sink=4,window=8,speculative={speculative}"):
+        policy = make(spec).bind(TINY, device="cpu", dtype=torch.float32, max_len=90)
+        out = [model(ids[:, :20], policy=policy)[:, -1]]
+        for t in range(20, 45):
+            out.append(model(ids[:, t:t + 1], positions=torch.tensor([[t]]), policy=policy)[:, -1])
+        logits[spec.split(":")[0]] = torch.stack(out)
+        if spec != "full":
+            assert policy.stats()["host_tokens"] > 0  # pages really went through the host tier
+    torch.testing.assert_close(logits["freekv"], logits["full"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("freekv:budget=100", "budget must be a non-negative multiple of page_size"),
+    ("freekv:window=0", "window must be >= page_size"),
+    ("freekv:budget=64", "at least one selected page"),
+    ("freekv:tau=2", "tau"),
+    ("freekv:group_reduce=median", "group_reduce"),
+    ("freekv:digest=sphere", "digest"),
+    ("freekv:skip_layers=-1", "skip_layers"),
+    ("freekv:page_size=0", "page_size"),
+])
+def test_impossible_parameters(spec, message):
+    with pytest.raises(ValueError, match=message):
+        make(spec)
+
+
+def test_skip_layers_keep_full_kv():
+    policy = make("freekv:page_size=4,budget=24,sink=4,window=8,skip_layers=1").bind(
+        TINY, device="cpu", dtype=torch.float32, max_len=90)
+    assert type(policy.layers[0]).__name__ == "FullLayer" and type(policy.layers[1]).__name__ == "FreeKVLayer"
+    with pytest.raises(ValueError, match="skip_layers"):
+        make("freekv:skip_layers=3").bind(TINY, device="cpu", dtype=torch.float32, max_len=90)
+
+
+def test_smollm2_full_budget_equals_full_and_retrieval_stats(smollm2):
+    """SmolLM2, ~330 prompt tokens: a budget covering the context gives full KV's logits; a 128
+    token budget retrieves (pages recalled, speculation counted, budget held)."""
+    model, tok = smollm2
+    prompt = " ".join(f"Item {i} is {i * 7 % 100}." for i in range(34)) + " Item 13 is"
+    ids = torch.tensor([tok.encode(prompt)])
+    T = ids.shape[1]
+    assert 250 < T < 500
+    logits = {}
+    for spec in ("full", "freekv:budget=512", "freekv:budget=128"):
+        policy = make(spec).bind(model.cfg, device="cpu", dtype=torch.float32, max_len=T + 8)
+        out = [model(ids, policy=policy, logits_at=torch.tensor([T - 1]))]
+        nxt = out[-1].argmax(-1)
+        for t in range(T, T + 5):
+            out.append(model(nxt[:, None], positions=torch.tensor([[t]]), policy=policy, logits_at=torch.tensor([0])))
+            nxt = out[-1].argmax(-1)
+        logits[spec] = torch.cat(out)
+        if spec == "freekv:budget=128":
+            s = policy.stats()
+            assert s["device_tokens_peak"] <= 128 and s["host_tokens"] >= T - 128 - 32
+            assert s["pages_recalled"] > 0 and 0 <= s["correction_rate"] <= 1
+            assert 0 <= s["speculative_exact_rate"] <= 1
+    torch.testing.assert_close(logits["freekv:budget=512"], logits["full"], rtol=1e-4, atol=1e-4)

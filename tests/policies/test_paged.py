@@ -1,0 +1,124 @@
+"""paged.py: the paged storage's invariants token by token (sink and window on the device, the
+partly filled last page counted exactly, every offloaded page kept bit for bit on the host in HND
+layout with its digest), prefill equals appends, and incremental recall (only missing pages move,
+into the slots of dropped pages)."""
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from minikv.policies.base import Tiers
+from minikv.policies.paged import PagedKV, page_digest
+
+H, D = 2, 8
+
+
+def make_store(P=4, n_sink=1, n_select=2, n_window=2, max_len=200, digest="minmax"):
+    return PagedKV(n_kv=H, head_dim=D, page_size=P, max_len=max_len, n_sink=n_sink, n_select=n_select,
+                   n_window=n_window, dtype=torch.float32, tiers=Tiers("cpu"), digest=digest)
+
+
+def tokens(T, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, H, T, D, generator=g), torch.randn(1, H, T, D, generator=g)
+
+
+def check_layout(store, k, v):
+    """Sink pages and the window on the device, candidates on the host, digests of the host keys."""
+    P, L = store.P, store.length
+    n_pages = -(-L // P)
+    for p in range(min(n_pages, store.n_sink)):
+        s = store.slot_of(p)
+        n = min(P, L - p * P)
+        assert store.page_lens[0, :, s].tolist() == [n] * H
+        assert torch.equal(store.k_pages[s, :n], k[0, :, p * P:p * P + n].transpose(0, 1))
+    first_window = store.n_sink + store.n_cand
+    assert n_pages - first_window <= store.n_window  # the window never outgrows its ring
+    for p in range(first_window, n_pages):
+        s = store.slot_of(p)
+        n = min(P, L - p * P)
+        assert store.page_lens[0, :, s].tolist() == [n] * H  # the partly filled last page: n < P
+        assert torch.equal(store.k_pages[s, :n], k[0, :, p * P:p * P + n].transpose(0, 1))
+        assert torch.equal(store.v_pages[s, :n], v[0, :, p * P:p * P + n].transpose(0, 1))
+    for c in range(store.n_cand):
+        p = store.n_sink + c
+        hk, hv = store.host_page(c)  # (H, P, D): one contiguous HND block per head
+        assert torch.equal(hk, k[0, :, p * P:(p + 1) * P]) and torch.equal(hv, v[0, :, p * P:(p + 1) * P])
+        assert store.host[c, 0].is_contiguous()
+        lo, hi = page_digest(hk[None], store.digest)
+        assert torch.equal(store.lo[0, :, c], lo[0]) and torch.equal(store.hi[0, :, c], hi[0])
+    assert store.device_tokens() <= (store.n_sink + store.n_select + store.n_window) * P
+
+
+@given(T=st.integers(1, 40), steps=st.integers(0, 30), P=st.sampled_from([1, 3, 4]), n_sink=st.integers(0, 2),
+       n_window=st.integers(1, 3), seed=st.integers(0, 1000))
+def test_appends_keep_sink_window_and_host_pages(T, steps, P, n_sink, n_window, seed):
+    k, v = tokens(T + steps, seed)
+    store = make_store(P, n_sink, 2, n_window)
+    store.prefill(k[:, :, :T], v[:, :, :T])
+    check_layout(store, k, v)
+    for t in range(T, T + steps):
+        store.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        check_layout(store, k, v)  # before the roll: the last page may be full
+        store.roll()
+        check_layout(store, k, v)
+
+
+@given(T=st.integers(1, 60), P=st.sampled_from([2, 4]), n_window=st.integers(1, 3), seed=st.integers(0, 1000))
+def test_prefill_equals_token_by_token(T, P, n_window, seed):
+    k, v = tokens(T, seed)
+    a = make_store(P, 1, 2, n_window)
+    a.prefill(k, v)
+    b = make_store(P, 1, 2, n_window)
+    b.prefill(k[:, :, :1], v[:, :, :1])
+    b.roll()
+    for t in range(1, T):
+        b.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        b.roll()
+    assert (a.length, a.n_cand) == (b.length, b.n_cand)
+    assert torch.equal(a.page_lens, b.page_lens)
+    assert torch.equal(a.host[:a.n_cand], b.host[:b.n_cand])
+    for s, n in enumerate(a.page_lens[0, 0].tolist()):  # valid tokens only: past them a slot holds stale data
+        assert torch.equal(a.k_pages[s, :n], b.k_pages[s, :n]) and torch.equal(a.v_pages[s, :n], b.v_pages[s, :n])
+
+
+def test_arkvale_digest_is_a_box_around_the_centre():
+    k = torch.randn(3, H, 4, D)
+    lo, hi = page_digest(k, "arkvale")
+    centre = (k.amin(2) + k.amax(2)) / 2
+    torch.testing.assert_close((lo + hi) / 2, centre)
+    torch.testing.assert_close((hi - lo) / 2, (k - centre[:, :, None]).abs().mean(2))
+    with pytest.raises(ValueError, match="digest"):
+        page_digest(k, "sphere")
+
+
+def test_recall_is_incremental_and_fills_dropped_slots():
+    P = 4
+    k, v = tokens(60, 0)
+    store = make_store(P, n_sink=1, n_select=3, n_window=1)
+    store.prefill(k, v)  # 15 pages: 1 sink, 14 candidates (the last page is full, the window rolled)
+    assert store.n_cand == 14
+    assert store.recall(torch.tensor([[0, 5, 9], [1, 2, -1]])) == 5
+    assert store.tiers.bytes_to_device == 5 * 2 * P * D * 4
+    before = store.resident.clone()
+    # head 0 keeps 5 and 9 and gets 7 in the slot of 0; head 1 keeps everything
+    assert store.recall(torch.tensor([[9, 7, 5], [2, 1, -1]])) == 1
+    slot = int((before[0] == 0).nonzero())
+    assert store.resident[0, slot] == 7 and store.resident[1].tolist() == before[1].tolist()
+    for h in range(H):
+        for j, c in enumerate(store.resident[h].tolist()):
+            s = store.n_sink + j
+            if c < 0:
+                assert store.page_lens[0, h, s] == 0
+                continue
+            p = store.n_sink + c
+            assert store.page_lens[0, h, s] == P
+            assert torch.equal(store.k_pages[s, :, h], k[0, h, p * P:(p + 1) * P])
+            assert torch.equal(store.v_pages[s, :, h], v[0, h, p * P:(p + 1) * P])
+    # only some heads: head 1 keeps its pages whatever the selection says for it
+    assert store.recall(torch.tensor([[9, 7, 5], [11, 12, 13]]), heads=torch.tensor([False, False])) == 0
+
+
+def test_impossible_window():
+    with pytest.raises(ValueError, match="n_window"):
+        make_store(n_window=0)
