@@ -1,0 +1,189 @@
+"""Decode attention over the active tokens fused with the relevance of Eq. 2, Triton kernels.
+
+Two launches (flash-decoding):
+  1. `_partial_kernel`, grid (B, S): program (b, s) owns the slots of row b in split s,
+     [s * split_len, (s + 1) * split_len), for *all* query heads at once. For each tile of
+     BLOCK_N slots it loads K of every KV head once and forms the raw dot products of every query
+     head with the key of its group, q_h . k_j^(h) (a (BLOCK_H, BLOCK_N) tile: one masked tl.dot
+     per KV head, since heads of other groups must not mix). From that one tile come
+       - the relevance s_j = 1/Hq sum_h |q_h . k_j^(h)| of every slot in the tile, complete (all
+         heads are in this program), written once: no atomics, no second reduction, deterministic;
+       - the softmax scores (times scale), folded into an online softmax and P.V as usual.
+     So K is read once for both results, which is the point of fusing: computed apart, relevance
+     would be a second full pass over the active cache every step, in every layer. The program
+     also writes s = 0 on its slots past the row's length, so s needs no separate zero fill.
+     With GQA the masked per-group dot costs Hkv times the FLOPs of a grouped one; decode is
+     bound by reading the cache, not by FLOPs, and each K/V row is still read exactly once.
+  2. `_combine_kernel`, grid (B, Hq): merges the S partial outputs by their log-sum-exps.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import triton_interpreted
+
+LOG2E = 1.4426950408889634
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # Triton's interpreter keeps bfloat16 as raw uint16 bits: multiply in float32 there (exact for
+    # bf16 * bf16 products, so the same arithmetic as the tensor cores up to summation order)
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _partial_kernel(
+    q_ptr, k_ptr, v_ptr, lengths_ptr, o_ptr, lse_ptr, s_ptr,
+    qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
+    inv_hq,  # 1 / Hq: Eq. 2 is a mean over query heads
+    L_cap, split_len,
+    sqb, sqh, skb, skh, skl, svb, svh, svl,  # q, k, v strides (last dim contiguous)
+    sob, soh, sos, slb, slh, ssb,  # partial out (B, Hq, S, D), lse (B, Hq, S), s (B, L_cap) strides
+    HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    length = tl.minimum(tl.load(lengths_ptr + b).to(tl.int32), L_cap)
+    start = split * split_len
+    stop = tl.minimum(start + split_len, L_cap)  # this program's slots, valid or not
+    end = tl.minimum(stop, length)  # ... and the valid ones
+
+    h = tl.arange(0, BLOCK_H)  # all query heads, padded to >= 16 rows for tl.dot
+    d = tl.arange(0, BLOCK_D)
+    h_ok = h < HQ
+    d_ok = d < D
+    group_of = h // GROUP  # the KV head each query head reads
+    q_mask = h_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + b * sqb + h[:, None] * sqh + d[None, :], mask=q_mask, other=0.0)  # (BLOCK_H, BLOCK_D)
+
+    k_base = k_ptr + b * skb
+    v_base = v_ptr + b * svb
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max of the base-2 scores
+    l = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(score - m)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)  # running sum of exp2(score - m) * v
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        raw = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)  # q_h . k_j^(h), unscaled
+        for j in tl.static_range(HKV):
+            # other=0: slots past the length hold garbage, maybe NaN, and 0 * NaN is NaN
+            kj = tl.load(k_base + j * skh + n[:, None].to(tl.int64) * skl + d[None, :], mask=kv_mask, other=0.0)
+            raw += tl.where((group_of == j)[:, None], _dot(q, tl.trans(kj), DOT_PRECISION, UPCAST_DOT), 0.0)
+        # Eq. 2 for the slots of this tile: every query head is here, so s_j is final
+        rel = tl.sum(tl.where(h_ok[:, None], tl.abs(raw), 0.0), axis=0) * inv_hq  # (BLOCK_N,)
+        tl.store(s_ptr + b * ssb + n, rel, mask=n_ok)
+
+        scores = tl.where(n_ok[None, :], raw * qk_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))  # finite: every tile holds >= 1 valid slot
+        alpha = tl.exp2(m - m_new)  # rescales what was summed under the old max; 0 on the first tile
+        p = tl.exp2(scores - m_new[:, None])  # (BLOCK_H, BLOCK_N)
+        l = l * alpha + tl.sum(p, axis=1)
+        pv = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        for j in tl.static_range(HKV):
+            vj = tl.load(v_base + j * svh + n[:, None].to(tl.int64) * svl + d[None, :], mask=kv_mask, other=0.0)
+            # p rounded to the cache dtype for the tensor cores, as flash attention does
+            pv += tl.where((group_of == j)[:, None], _dot(p.to(vj.dtype), vj, DOT_PRECISION, UPCAST_DOT), 0.0)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+
+    # s = 0 on this program's slots past the row's length (the contract of the reference)
+    for n0 in range(tl.maximum(end, start), stop, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        tl.store(s_ptr + b * ssb + n, tl.zeros([BLOCK_N], tl.float32), mask=n < stop)
+
+    # an empty split (past the row's length) leaves l = 0: out 0, lse -inf, weight 0 in the combine
+    nonempty = l > 0
+    l_safe = tl.where(nonempty, l, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(nonempty, (m + tl.log2(l_safe)) * LN2, float("-inf"))  # back to natural log
+    tl.store(o_ptr + b * sob + h[:, None] * soh + split * sos + d[None, :], out, mask=q_mask)
+    tl.store(lse_ptr + b * slb + h * slh + split, lse, mask=h_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    o_part_ptr, lse_part_ptr, out_ptr,
+    S, sob, soh, sos, slb, slh, s_out_b, s_out_h,
+    D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    lse_s = tl.load(lse_part_ptr + b * slb + h * slh + s, mask=s < S, other=float("-inf"))  # (BLOCK_S,)
+    w = tl.exp(lse_s - tl.max(lse_s, axis=0))  # weight of each split, 0 for empty ones
+    mask = (s < S)[:, None] & (d < D)[None, :]
+    o_s = tl.load(o_part_ptr + b * sob + h * soh + s[:, None] * sos + d[None, :], mask=mask, other=0.0)
+    out = tl.sum(w[:, None] * o_s, axis=0) / tl.sum(w, axis=0)  # (BLOCK_D,)
+    tl.store(out_ptr + b * s_out_b + h * s_out_h + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def default_split_len(B: int, L_cap: int, device: torch.device, block_n: int) -> int:
+    """Slots per program: enough splits for ~2 programs per SM, none shorter than 256 slots."""
+    if triton_interpreted():
+        return max(L_cap, 1)  # one split: interpreted programs cost time, parallelism buys nothing
+    n_sm = torch.cuda.get_device_properties(device).multi_processor_count
+    splits = max(1, min(triton.cdiv(2 * n_sm, B), triton.cdiv(L_cap, 256)))
+    return triton.cdiv(triton.cdiv(L_cap, splits), block_n) * block_n
+
+
+def launch(q, k, v, lengths, scale=None, split_len=None, block_n=32):
+    """attention_relevance with the launch parameters exposed (tests use them to force splits)."""
+    assert q.dim() == 3 and k.dim() == 4, f"q (B, Hq, D) and k (B, Hkv, L, D), got {tuple(q.shape)}, {tuple(k.shape)}"
+    B, Hq, D = q.shape
+    _, Hkv, L_cap, _ = k.shape
+    assert k.shape == v.shape and k.shape[0] == B and k.shape[3] == D, f"k {tuple(k.shape)}, v {tuple(v.shape)}, q {tuple(q.shape)}"
+    assert Hq % Hkv == 0, f"query heads {Hq} must be a multiple of KV heads {Hkv}"
+    assert q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.float16, torch.bfloat16), (q.dtype, k.dtype, v.dtype)
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "the head dim must be contiguous"
+    assert lengths.shape == (B,) and not lengths.is_floating_point(), f"lengths must be (B,) int, got {lengths.shape}"
+    assert q.device == k.device == v.device == lengths.device, "all tensors on one device"
+    assert block_n >= 16 and block_n & (block_n - 1) == 0, "block_n: a power of 2 >= 16 (tl.dot)"
+
+    scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    split_len = split_len or default_split_len(B, L_cap, q.device, block_n)
+    S = triton.cdiv(L_cap, split_len)
+    # poisoned with NaN under the interpreter, where speed does not matter, so that an element a
+    # program forgets to write fails loudly in the tests
+    fill = float("nan") if triton_interpreted() else None
+    o_part = _empty((B, Hq, S, D), q.device, fill)
+    lse_part = _empty((B, Hq, S), q.device, fill)
+    s = _empty((B, L_cap), q.device, fill)
+    _partial_kernel[(B, S)](
+        q, k, v, lengths, o_part, lse_part, s,
+        scale * LOG2E, 1.0 / Hq, L_cap, split_len,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1), s.stride(0),
+        HQ=Hq, HKV=Hkv, GROUP=Hq // Hkv, D=D,
+        BLOCK_H=max(16, triton.next_power_of_2(Hq)), BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 would cost ~1e-3 on float32
+        UPCAST_DOT=triton_interpreted() and q.dtype == torch.bfloat16,
+    )
+    out = torch.empty_like(q)
+    _combine_kernel[(B, Hq)](
+        o_part, lse_part, out,
+        S, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+        out.stride(0), out.stride(1),
+        D=D, BLOCK_S=triton.next_power_of_2(S), BLOCK_D=triton.next_power_of_2(D),
+    )
+    return out, s
+
+
+def _empty(shape, device, fill):
+    t = torch.empty(shape, dtype=torch.float32, device=device)
+    return t.fill_(fill) if fill is not None else t
+
+
+def attention_relevance(q, k, v, lengths, scale=None):
+    return launch(q, k, v, lengths, scale)
