@@ -9,6 +9,11 @@ from hypothesis import HealthCheck, settings
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+# Under pytest-xdist each worker gets one intra-op thread: two workers with two threads each on
+# two cores made small CPU ops tens of times slower (threads spin waiting for each other).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 # deadline=None: the first call of a kernel compiles (GPU) or is slow (interpreter).
 # "ci" is the default: few examples, so a kernel test file stays under a minute on 2 CPU cores
 # under the interpreter. HYPOTHESIS_PROFILE=dev for a thorough local run.
