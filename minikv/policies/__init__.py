@@ -4,3 +4,6 @@ from .base import LayerKV, Policy, StepAction, Tiers, available, make, register
 from . import full  # noqa: F401  (registers "full")
 
 __all__ = ["LayerKV", "Policy", "StepAction", "Tiers", "available", "make", "register"]
+from . import streaming  # noqa: F401
+from . import softfreeze  # noqa: F401
+from . import freekv  # noqa: F401

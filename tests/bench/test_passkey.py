@@ -1,0 +1,58 @@
+"""passkey benchmark logic: prompt construction, scoring, budget handling (no model runs)."""
+import pytest
+
+from minikv.bench.passkey import INSTRUCTION, build_prompt, draw_key, needle, score, with_budget
+
+
+class CharTokenizer:
+    """One token per character: enough to check lengths and where the key lands."""
+
+    def encode(self, text, add_bos=None):
+        return [ord(c) for c in (("\x02" if add_bos is not False else "") + text)]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids if i != 2)
+
+
+@pytest.mark.parametrize("length", [400, 1001])
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_prompt_has_the_length_and_the_key_at_its_depth(length, depth):
+    tok = CharTokenizer()
+    key = draw_key(3)
+    ids = build_prompt(tok, length, depth, key)
+    assert len(ids) == length
+    text = tok.decode(ids)
+    assert text.count(key) == 2 and text.endswith("The pass key is")
+    start = text.index(needle(key))
+    fill_start = text.index(INSTRUCTION) + len(INSTRUCTION)
+    fill_end = text.rindex("\nWhat is")
+    fill = fill_end - fill_start - len(needle(key))
+    assert abs((start - fill_start) - depth * fill) <= 1
+
+
+def test_keys_are_five_digits_and_differ_by_seed():
+    keys = {draw_key(s) for s in range(20)}
+    assert len(keys) > 15 and all(len(k) == 5 and k.isdigit() for k in keys)
+
+
+@pytest.mark.parametrize("answer, found", [
+    (" 12345.", True), (" 12345. Remember", True), ("12345", True),
+    (" 123456", False), (" 54321 12345", False), (" 1234", False), (" the key", False),
+])
+def test_score(answer, found):
+    assert score(answer, "12345") is found
+
+
+def test_too_short_and_bad_depth():
+    with pytest.raises(ValueError, match="shorter"):
+        build_prompt(CharTokenizer(), 50, 0.5, "12345")
+    with pytest.raises(ValueError, match="depth"):
+        build_prompt(CharTokenizer(), 500, 1.5, "12345")
+
+
+def test_budget_goes_only_where_it_is_a_parameter():
+    assert with_budget("streaming:R=1", 256) == "streaming:R=1,budget=256"
+    assert with_budget("streaming", 256) == "streaming:budget=256"
+    assert with_budget("streaming:budget=100", 256) == "streaming:budget=100"
+    assert with_budget("full", 256) == "full"
+    assert with_budget("streaming:R=1", None) == "streaming:R=1"
