@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import minikv  # noqa: E402
-from minikv.bench.speed import prompt_ids  # noqa: E402
+from minikv.bench.common import text_ids  # noqa: E402
 from minikv.loading import smollm2_gguf_path  # noqa: E402
 
 
@@ -57,7 +57,7 @@ def main() -> None:
     gguf = smollm2_gguf_path()
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     model, tok = minikv.load("smollm2", device="cpu", dtype=torch.float32)
-    ids = prompt_ids(tok, args.prompt_tokens)
+    ids = text_ids(tok, args.prompt_tokens)
     ids_t = torch.tensor([ids])
     hf_run(hf, ids_t, 4), minikv_run(model, tok, ids, 4)  # warm-up
     runs = {"hf": [], "minikv": []}
