@@ -14,7 +14,8 @@ Two launches (flash-decoding):
      also writes s = 0 on its slots past the row's length, so s needs no separate zero fill.
      With GQA the masked per-group dot costs Hkv times the FLOPs of a grouped one; decode is
      bound by reading the cache, not by FLOPs, and each K/V row is still read exactly once.
-  2. `_combine_kernel`, grid (B, Hq): merges the S partial outputs by their log-sum-exps.
+  2. `merge_splits` (kernels/_triton.py), grid (B, Hq): merges the S partial outputs by their
+     log-sum-exps.
 """
 from __future__ import annotations
 
@@ -25,19 +26,8 @@ import triton
 import triton.language as tl
 
 from .. import triton_interpreted
-
-LOG2E = 1.4426950408889634
-LN2 = tl.constexpr(0.6931471805599453)
-
-
-@triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    # Triton's interpreter keeps bfloat16 as raw uint16 bits: multiply in float32 there (exact for
-    # bf16 * bf16 products, so the same arithmetic as the tensor cores up to summation order)
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PRECISION)
-
+from .._triton import LN2, LOG2E, merge_splits
+from .._triton import dot as _dot
 
 @triton.jit
 def _partial_kernel(
@@ -111,24 +101,6 @@ def _partial_kernel(
     tl.store(lse_ptr + b * slb + h * slh + split, lse, mask=h_ok)
 
 
-@triton.jit
-def _combine_kernel(
-    o_part_ptr, lse_part_ptr, out_ptr,
-    S, sob, soh, sos, slb, slh, s_out_b, s_out_h,
-    D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    lse_s = tl.load(lse_part_ptr + b * slb + h * slh + s, mask=s < S, other=float("-inf"))  # (BLOCK_S,)
-    w = tl.exp(lse_s - tl.max(lse_s, axis=0))  # weight of each split, 0 for empty ones
-    mask = (s < S)[:, None] & (d < D)[None, :]
-    o_s = tl.load(o_part_ptr + b * sob + h * soh + s[:, None] * sos + d[None, :], mask=mask, other=0.0)
-    out = tl.sum(w[:, None] * o_s, axis=0) / tl.sum(w, axis=0)  # (BLOCK_D,)
-    tl.store(out_ptr + b * s_out_b + h * s_out_h + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
-
-
 def default_split_len(B: int, L_cap: int, device: torch.device, block_n: int) -> int:
     """Slots per program: enough splits for ~2 programs per SM, none shorter than 256 slots."""
     if triton_interpreted():
@@ -171,12 +143,7 @@ def launch(q, k, v, lengths, scale=None, split_len=None, block_n=32):
         UPCAST_DOT=triton_interpreted() and q.dtype == torch.bfloat16,
     )
     out = torch.empty_like(q)
-    _combine_kernel[(B, Hq)](
-        o_part, lse_part, out,
-        S, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-        out.stride(0), out.stride(1),
-        D=D, BLOCK_S=triton.next_power_of_2(S), BLOCK_D=triton.next_power_of_2(D),
-    )
+    merge_splits(o_part, lse_part, out, torch.empty(B, Hq, dtype=torch.float32, device=q.device))
     return out, s
 
 

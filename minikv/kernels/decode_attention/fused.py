@@ -7,7 +7,8 @@ Two launches:
      read once per group instead of once per query head: with GQA that is the memory-traffic win
      (3x for SmolLM2's 9 query heads over 3 KV heads). Splitting the slots gives a GPU enough
      programs when B * Hkv alone is far below its SM count (one sequence, 3 KV heads).
-  2. `_combine_kernel`, grid (B, Hq): merges the S partial results by their log-sum-exps.
+  2. `merge_splits` (kernels/_triton.py), grid (B, Hq): merges the S partial results by their
+     log-sum-exps.
 """
 from __future__ import annotations
 
@@ -19,20 +20,8 @@ import triton
 import triton.language as tl
 
 from .. import empty, triton_interpreted
-
-LOG2E = 1.4426950408889634
-LN2 = tl.constexpr(0.6931471805599453)
-
-
-@triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    # Triton's interpreter keeps bfloat16 as raw uint16 and np.matmul's the bit patterns (still
-    # so in 3.9): there, multiply in float32 instead. bf16 * bf16 products are exact in float32,
-    # so this is the same arithmetic as the tensor-core path, up to summation order.
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PRECISION)
-
+from .._triton import LN2, LOG2E, merge_splits
+from .._triton import dot as _dot
 
 @triton.jit
 def _partial_kernel(
@@ -93,27 +82,6 @@ def _partial_kernel(
     tl.store(lse_ptr + b * slb + heads * slh + split, lse, mask=g < GROUP)
 
 
-@triton.jit
-def _combine_kernel(
-    o_part_ptr, lse_part_ptr, out_ptr, lse_ptr,
-    S, sob, soh, sos, slb, slh, s_out_b, s_out_h,
-    Hq, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    lse_s = tl.load(lse_part_ptr + b * slb + h * slh + s, mask=s < S, other=float("-inf"))  # (BLOCK_S,)
-    top = tl.max(lse_s, axis=0)
-    w = tl.exp(lse_s - top)  # (BLOCK_S,) weight of each split, 0 for empty ones
-    mask = (s < S)[:, None] & (d < D)[None, :]
-    o_s = tl.load(o_part_ptr + b * sob + h * soh + s[:, None] * sos + d[None, :], mask=mask, other=0.0)
-    total = tl.sum(w, axis=0)
-    out = tl.sum(w[:, None] * o_s, axis=0) / total  # (BLOCK_D,)
-    tl.store(out_ptr + b * s_out_b + h * s_out_h + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
-    tl.store(lse_ptr + b * Hq + h, top + tl.log(total))
-
-
 @functools.lru_cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -164,12 +132,7 @@ def launch(q, k, v, lengths, scale=None, window=None, return_lse=False, split_le
     )
     out = empty((B, Hq, D), q.dtype, q.device)
     lse = empty((B, Hq), torch.float32, q.device)
-    _combine_kernel[(B, Hq)](
-        o_part, lse_part, out, lse,
-        S, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-        out.stride(0), out.stride(1),
-        Hq, D=D, BLOCK_S=triton.next_power_of_2(S), BLOCK_D=triton.next_power_of_2(D),
-    )
+    merge_splits(o_part, lse_part, out, lse)
     return (out, lse) if return_lse else out
 
 

@@ -15,18 +15,8 @@ import triton
 import triton.language as tl
 
 from .. import triton_interpreted
-
-LOG2E = 1.4426950408889634
-LN2 = tl.constexpr(0.6931471805599453)
-
-
-@triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    # the interpreter multiplies bfloat16 as raw bits: upcast there (see decode_attention/fused.py)
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PRECISION)
-
+from .._triton import LN2, LOG2E
+from .._triton import dot as _dot
 
 @triton.jit
 def _paged_kernel(

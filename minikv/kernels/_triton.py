@@ -1,0 +1,58 @@
+"""Pieces the Triton kernels share: base-2 softmax constants, a dot that works in the
+interpreter, and the merge of split-K partial attentions by their log-sum-exps.
+
+Imported only by fused.py modules, which `load_fused` imports after choosing the interpreter
+(TRITON_INTERPRET must be set before any @triton.jit decoration runs).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # softmaxes run in base 2 (exp2 is the fast one): scale * log2(e)
+LN2 = tl.constexpr(0.6931471805599453)  # and back to natural log for the returned lse
+
+
+@triton.jit
+def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # Triton's interpreter keeps bfloat16 as raw uint16 and np.matmul's the bit patterns (still
+    # so in 3.9): there, multiply in float32 instead. bf16 * bf16 products are exact in float32,
+    # so this is the same arithmetic as the tensor-core path, up to summation order.
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _merge_kernel(
+    o_part_ptr, lse_part_ptr, out_ptr, lse_ptr,
+    S, sob, soh, sos, slb, slh, s_out_b, s_out_h,
+    Hq, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # program (b, h): out = sum_s exp(lse_s - lse) o_s, lse = log sum_s exp(lse_s)
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    lse_s = tl.load(lse_part_ptr + b * slb + h * slh + s, mask=s < S, other=float("-inf"))  # (BLOCK_S,)
+    top = tl.max(lse_s, axis=0)
+    w = tl.exp(lse_s - top)  # (BLOCK_S,) weight of each split, 0 for empty ones
+    mask = (s < S)[:, None] & (d < D)[None, :]
+    o_s = tl.load(o_part_ptr + b * sob + h * soh + s[:, None] * sos + d[None, :], mask=mask, other=0.0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * o_s, axis=0) / total  # (BLOCK_D,)
+    tl.store(out_ptr + b * s_out_b + h * s_out_h + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+    tl.store(lse_ptr + b * Hq + h, top + tl.log(total))
+
+
+def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """o_part (B, Hq, S, D) float32, lse_part (B, Hq, S) -> out (B, Hq, D), lse (B, Hq) float32."""
+    B, Hq, S, D = o_part.shape
+    assert lse.shape == (B, Hq) and lse.is_contiguous() and out.shape == (B, Hq, D) and out.stride(2) == 1
+    _merge_kernel[(B, Hq)](
+        o_part, lse_part, out, lse,
+        S, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+        out.stride(0), out.stride(1),
+        Hq, D=D, BLOCK_S=triton.next_power_of_2(S), BLOCK_D=triton.next_power_of_2(D),
+    )
