@@ -47,43 +47,50 @@ class FreeKVLayer(LayerKV):
                           dtype=policy.dtype, tiers=policy.tiers, digest=policy.digest, backend=policy.backend)
         self.G = cfg.n_heads // cfg.n_kv_heads
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
-        self.prev_q = None  # (1, Hq, D) the previous step's query
-        self.selection = torch.full((cfg.n_kv_heads, self.K), -1, dtype=torch.int64)  # what the slots hold
+        self.prev_q = None  # (Hq, D) the previous step's query, float32, each head of unit norm
 
     # -- selection ---------------------------------------------------------------------------
     def select(self, q: torch.Tensor) -> torch.Tensor:
         """Group-consistent top-K candidate pages per KV head for q (1, Hq, D) -> (Hkv, K), -1 pads."""
         t0 = time.perf_counter()
         kv, n = self.kv, self.kv.n_cand
-        out = torch.full((kv.Hkv, self.K), -1, dtype=torch.int64)
         if n:
             k = min(self.K, n)
-            n_valid = torch.tensor([n], device=q.device)
-            _, index = page_scores(q, kv.lo[:, :, :n], kv.hi[:, :, :n], n_valid, k, self.scale,
-                                   self.policy.group_reduce, backend=self.policy.backend)  # (1, Hkv, k)
-            out[:, :k] = index[0].cpu()
+            _, index = page_scores(q, kv.lo[:, :, :n], kv.hi[:, :, :n], kv.n_cand_tensor, k,
+                                   self.scale, self.policy.group_reduce, backend=self.policy.backend)  # (1, Hkv, k)
+            out = index[0] if k == self.K else F.pad(index[0], (0, self.K - k), value=-1)  # (Hkv, K)
+            out = out.cpu()  # the bookkeeping is host-side: one small copy (and sync) on CUDA
+        else:
+            out = torch.full((kv.Hkv, self.K), -1, dtype=torch.int64)
         self.policy.t_select += time.perf_counter() - t0
         return out
 
     def recall(self, selection: torch.Tensor, heads=None, background=False) -> None:
         t0 = time.perf_counter()
         self.kv.recall(selection, heads, background)
-        self.selection = selection if heads is None else torch.where(heads[:, None], selection, self.selection)
         self.policy.t_recall += time.perf_counter() - t0
 
     def _count_speculation(self, exact: torch.Tensor) -> None:
-        # did the pages chosen with q_{t-1} equal those q_t chooses? (a set comparison per KV head)
-        same = (self.selection.sort(1).values == exact.sort(1).values).all(1)
-        self.policy.spec_equal += int(same.sum())
-        self.policy.spec_compared += same.numel()
+        # did the pages chosen with q_{t-1} (what the slots hold) equal those q_t chooses? A set
+        # comparison per KV head, on the host-side bookkeeping
+        same = self.kv.holds(exact)
+        self.policy.spec_equal += sum(same)
+        self.policy.spec_compared += len(same)
+
+    @staticmethod
+    def _unit(q: torch.Tensor) -> torch.Tensor:
+        # q (1, Hq, D) -> (Hq, D) float32 with unit rows (as F.cosine_similarity normalises, eps 1e-8)
+        q = q[0].float()
+        return q / torch.linalg.vector_norm(q, dim=-1, keepdim=True).clamp_min_(1e-8)
 
     # -- the contract ------------------------------------------------------------------------
     def prefill(self, q, k, v, positions):
         # q (1, Hq, T, D); k, v (1, Hkv, T, D): dense attention over the prompt, then page it
         out = dense_attention(q, k, v)
         self.kv.prefill(k, v)
-        self.prev_q = q[:, :, -1]  # (1, Hq, D)
-        self.recall(self.select(self.prev_q))  # the pages the first decode step will read
+        q_last = q[:, :, -1]  # (1, Hq, D)
+        self.prev_q = self._unit(q_last) if self.policy.speculative else None
+        self.recall(self.select(q_last))  # the pages the first decode step will read
         self.kv.pages_recalled = 0  # stats count recalls while decoding
         return out
 
@@ -91,9 +98,11 @@ class FreeKVLayer(LayerKV):
         # q (1, Hq, 1, D); k, v (1, Hkv, 1, D)
         pol, kv = self.policy, self.kv
         q1 = q[:, :, 0]  # (1, Hq, D)
+        q_unit = self._unit(q1) if pol.speculative else None  # (Hq, D)
         kv.append(k, v)
         retrieving = kv.n_cand > self.K  # else every candidate is resident: nothing to choose
-        exact = None
+        exact = None  # q_t's selection (Hkv, K)
+        later = None  # (Hkv,) bools: the heads that take exact's pages after attention; None: all
         if not pol.speculative:  # Quest: select and recall on the critical path, every step
             if kv.n_cand:
                 exact = self.select(q1)
@@ -101,16 +110,18 @@ class FreeKVLayer(LayerKV):
         elif retrieving:
             t0 = time.perf_counter()
             # correction signal, per KV head: C_m = mean_j cos(q_t, q_{t-1}) over the group
-            sim = F.cosine_similarity(q1[0].float(), self.prev_q[0].float(), dim=-1)  # (Hq,)
-            corr = (sim.view(-1, self.G).mean(1) < pol.tau).cpu()  # (Hkv,)
+            sim = (q_unit * self.prev_q).sum(-1)  # (Hq,) cosine similarities
+            corr = (sim.view(-1, self.G).sum(1) / self.G < pol.tau).tolist()  # (Hkv,) bools
+            n_corr = sum(corr)
             pol.t_select += time.perf_counter() - t0
-            pol.head_steps += corr.numel()
-            if corr.any():
-                pol.corrected_heads += int(corr.sum())
+            pol.head_steps += kv.Hkv
+            if n_corr:
+                pol.corrected_heads += n_corr
                 pol.corrected_steps += 1
                 exact = self.select(q1)  # once for all KV heads
                 self._count_speculation(exact)
                 self.recall(exact, heads=corr)  # the drifted heads, before attention
+                later = [not c for c in corr]  # the others: they attend with the speculative pages first
         pol.layer_steps += 1
 
         out = kv.attend(q1)[:, :, None]  # (1, Hq, 1, D)
@@ -122,10 +133,10 @@ class FreeKVLayer(LayerKV):
                 exact = self.select(q1)
                 self._count_speculation(exact)
             if rolled:  # select again so that the new candidate competes too
-                exact = self.select(q1)
-            if exact is not None:
-                self.recall(exact, background=True)
-        self.prev_q = q1
+                exact, later = self.select(q1), None
+            if exact is not None and (later is None or any(later)):
+                self.recall(exact, heads=later, background=True)
+        self.prev_q = q_unit
         return out
 
     def device_tokens(self) -> float:

@@ -78,10 +78,13 @@ class PagedKV:
         self.host = torch.empty(self.max_pages, H, 2, P, D, dtype=dtype, pin_memory=tiers.pin)  # HND host tier
         self.lo = torch.zeros(1, H, self.max_pages, D, dtype=dtype, device=dev)  # digests, on the device
         self.hi = torch.zeros(1, H, self.max_pages, D, dtype=dtype, device=dev)
-        # candidate number held by each selected slot of each KV head, -1 = empty (host-side bookkeeping)
-        self.resident = torch.full((H, n_select), -1, dtype=torch.int64)
+        # candidate number held by each selected slot of each KV head, -1 = empty: host-side
+        # bookkeeping of Hkv * n_select integers, kept in Python lists (a tensor op costs more
+        # than the whole Python loop over them); `resident` is its tensor view
+        self.held = [[-1] * n_select for _ in range(H)]
         self.length = 0  # tokens stored
         self.n_cand = 0  # pages offloaded so far = candidates
+        self.n_cand_tensor = torch.zeros(1, dtype=torch.int64, device=dev)  # the same, as page_scores' n_valid
         self.pages_recalled = 0
         self.cuda = dev.type == "cuda"
         self._buf = 0
@@ -98,8 +101,16 @@ class PagedKV:
         """Device slot of a sink or window page."""
         return page if page < self.n_sink else self.w0 + (page - self.n_sink) % self.n_window
 
+    @property
+    def resident(self) -> torch.Tensor:
+        """(Hkv, n_select) int64: the candidate number in each selected slot, -1 = empty."""
+        return torch.tensor(self.held, dtype=torch.int64)
+
     def device_tokens(self) -> float:
-        return float(self.page_lens.sum()) / self.Hkv
+        # = page_lens.sum() / Hkv without a tensor op: the sink and window slots hold every token
+        # that is not a candidate, the selected slots full pages
+        n_selected = sum(c >= 0 for row in self.held for c in row)
+        return self.length - self.n_cand * self.P + n_selected * self.P / self.Hkv
 
     def host_tokens(self) -> int:
         return self.n_cand * self.P
@@ -138,9 +149,9 @@ class PagedKV:
         if page >= self.max_pages:
             raise ValueError(f"the sequence outgrew max_len ({self.max_pages * self.P} tokens)")
         s = self.slot_of(page)
-        self.k_pages[s, off] = k[0, :, 0]
-        self.v_pages[s, off] = v[0, :, 0]
-        self.page_lens[0, :, s] = off + 1
+        self.k_pages[s, off] = k.reshape(self.Hkv, self.D)
+        self.v_pages[s, off] = v.reshape(self.Hkv, self.D)
+        self.page_lens.select(2, s).fill_(off + 1)  # page_lens[0, :, s]
         self.length += 1
 
     def roll(self) -> bool:
@@ -169,36 +180,45 @@ class PagedKV:
         self.lo[0, :, c:c + n] = lo.transpose(0, 1)
         self.hi[0, :, c:c + n] = hi.transpose(0, 1)
         self.n_cand += n
+        self.n_cand_tensor.fill_(self.n_cand)
 
     # -- recall ------------------------------------------------------------------------------
-    def recall(self, selection: torch.Tensor, heads: torch.Tensor | None = None, background: bool = False) -> int:
+    def holds(self, selection: torch.Tensor) -> list[bool]:
+        """Per KV head: do its selected slots hold exactly `selection` (Hkv, n_select) (as sets)?"""
+        return [set(want) - {-1} == set(held) - {-1} for want, held in zip(selection.tolist(), self.held)]
+
+    def recall(self, selection: torch.Tensor, heads=None, background: bool = False) -> int:
         """Make the selected slots hold `selection` (Hkv, n_select) candidate numbers (-1: none),
-        for the KV heads where `heads` (Hkv,) bool is True (all by default). Copies only missing
-        pages. Returns the number of pages copied."""
-        sel = selection.to("cpu").long()  # bookkeeping is host-side (on CUDA: one small sync)
-        if heads is not None:
-            sel = torch.where(heads.to("cpu")[:, None], sel, self.resident)
-        res = self.resident
-        resident_new = (sel[:, :, None] == res[:, None, :]).any(-1)  # (Hkv, K) selected page already there
-        missing = (sel >= 0) & ~resident_new
-        free = (res < 0) | ~(res[:, :, None] == sel[:, None, :]).any(-1)  # (Hkv, K) empty, or its page was dropped
-        # pair the j-th missing page of a head with its j-th free slot; a head has at least as
-        # many free slots as missing pages, the selection holding no duplicates
-        miss_order = torch.sort(missing.int(), dim=1, descending=True, stable=True).indices
-        free_order = torch.sort(free.int(), dim=1, descending=True, stable=True).indices
-        take = torch.arange(self.n_select)[None, :] < missing.sum(1, keepdim=True)  # (Hkv, K)
-        pages = sel.gather(1, miss_order)[take]  # (n,) candidate numbers to copy
-        slots = free_order[take]  # (n,) selected-slot numbers they go to
-        kv_heads = torch.arange(self.Hkv)[:, None].expand_as(take)[take]
-        self.resident = torch.where(free, -1, res)
-        self.resident[kv_heads, slots] = pages
-        n = int(pages.numel())
-        if n:
-            self._copy_in(pages * self.Hkv + kv_heads, self.n_sink + slots, kv_heads, background)
-        lens = torch.where(self.resident >= 0, self.P, 0).to(torch.int32)  # (Hkv, K)
-        self.page_lens[0, :, self.n_sink:self.w0].copy_(lens, non_blocking=True)
-        self.pages_recalled += n
-        return n
+        for the KV heads where `heads` (Hkv,) bool (tensor or list) is True (all by default).
+        Copies only missing pages. Returns the number of pages copied."""
+        rows = selection.tolist()  # bookkeeping is host-side (on CUDA: one small sync)
+        on = heads.tolist() if isinstance(heads, torch.Tensor) else heads
+        moves = []  # (host row, device slot, KV head) of each page to copy
+        lens_change = False
+        for h, want in enumerate(rows):
+            if on is not None and not on[h]:
+                continue  # this head keeps what it holds
+            held = self.held[h]
+            keep = set(want) - {-1}
+            missing = [c for c in want if c >= 0 and c not in held]  # in selection order
+            # free: empty, or its page dropped from the selection; in slot order. The j-th missing
+            # page goes to the j-th free slot: a head has at least as many free slots as missing
+            # pages, the selection holding no duplicates
+            free = [j for j, c in enumerate(held) if c not in keep]
+            was_used = [held[j] >= 0 for j in free]
+            for j in free:
+                held[j] = -1
+            for c, j in zip(missing, free):
+                held[j] = c
+                moves.append((c * self.Hkv + h, self.n_sink + j, h))
+            lens_change |= was_used != [held[j] >= 0 for j in free]  # a slot emptied, or an empty one filled
+        if moves:
+            self._copy_in(*torch.tensor(moves).unbind(1), background)  # (n,) each
+        if lens_change:  # only while the selection has fewer pages than slots: rewrite their lengths
+            lens = torch.tensor([[self.P if c >= 0 else 0 for c in row] for row in self.held], dtype=torch.int32)
+            self.page_lens[0, :, self.n_sink:self.w0].copy_(lens, non_blocking=True)
+        self.pages_recalled += len(moves)
+        return len(moves)
 
     def _copy_in(self, flat: torch.Tensor, slots: torch.Tensor, heads: torch.Tensor, background: bool) -> None:
         # flat (n,) rows of host viewed as (max_pages * Hkv, 2, P, D): gather the blocks into a

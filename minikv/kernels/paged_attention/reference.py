@@ -14,8 +14,10 @@ pages per KV head), or the same slot (sink and recent pages are shared by all he
     -> out      (B, Hq, D) in q's dtype, and with return_lse the log-sum-exp (B, Hq) float32
 
 The oracle the tests use is the definition: gather the listed tokens and run dense attention.
-This reference is that definition, vectorised: one gather of (B, Hkv, N, P, D) keys and values,
-float32 scores, a mask from page_lens.
+This reference is that definition, vectorised: one index_select of the (B, Hkv, N, P) listed
+token rows of the pool for keys and one for values, float32 scores, a mask from page_lens. (One
+flat gather rather than advanced indexing k_pages[slots, :, heads]: at decode sizes the cost is
+the number of operations, not the bytes.)
 
 Memory traffic: the gather copies every listed page (N * P * D per KV head, twice) before any
 arithmetic, and the masked softmax materialises scores over N * P. The kernel reads each listed
@@ -35,21 +37,27 @@ def paged_attention(q, k_pages, v_pages, page_table, page_lens, scale=None, retu
     G = Hq // Hkv
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
 
-    heads = torch.arange(Hkv, device=q.device)[None, :, None]  # (1, Hkv, 1)
-    slots = page_table.long()  # (B, Hkv, N)
-    # k_pages[slot, :, head] for every table entry: (B, Hkv, N, P, D)
-    k = k_pages[slots, :, heads.expand_as(slots)].float()
-    v = v_pages[slots, :, heads.expand_as(slots)].float()
-    k = k.reshape(B, Hkv, N * P, D)
-    v = v.reshape(B, Hkv, N * P, D)
-    visible = torch.arange(P, device=q.device) < page_lens.to(q.device)[..., None]  # (B, Hkv, N, P)
-    visible = visible.reshape(B, Hkv, 1, N * P)
+    # One gather for every row, KV head and table entry: viewed as (S * P * Hkv, D), row
+    # (s * P + t) * Hkv + m of the pool is token t of KV head m in slot s. (Index arithmetic in
+    # the table's dtype: index_select takes int32 and int64 alike.)
+    t = torch.arange(P, dtype=page_table.dtype, device=q.device)  # (P,) token within a page
+    heads = torch.arange(Hkv, dtype=page_table.dtype, device=q.device).view(1, Hkv, 1)
+    first = page_table * (P * Hkv) + heads  # (B, Hkv, N): row of token 0 of each entry
+    rows = (first.unsqueeze(-1) + t * Hkv).view(-1)  # (B * Hkv * N * P,) the listed tokens, in table order
+    k = k_pages.reshape(-1, D).index_select(0, rows).view(B * Hkv, N * P, D).float()
+    v = v_pages.reshape(-1, D).index_select(0, rows).view(B * Hkv, N * P, D).float()
+    # masked: the tail of the partly filled last page, unused entries (length 0)
+    hidden = (t >= page_lens.unsqueeze(-1)).view(B * Hkv, 1, N * P)
 
-    qg = q.float().reshape(B, Hkv, G, D)
-    scores = torch.einsum("bhgd,bhld->bhgl", qg, k) * scale  # (B, Hkv, G, N * P)
-    scores = torch.where(visible, scores, float("-inf"))  # where(): garbage (NaN) never leaks
-    lse = torch.logsumexp(scores, dim=-1)  # (B, Hkv, G)
-    p = torch.exp(scores - lse[..., None])
-    v = torch.where(visible.transpose(-1, -2), v, 0.0)  # (B, Hkv, N * P, D); 0 * NaN is NaN
-    out = torch.einsum("bhgl,bhld->bhgd", p, v).reshape(B, Hq, D).to(q.dtype)
-    return (out, lse.reshape(B, Hq)) if return_lse else out
+    qg = q.float().reshape(B * Hkv, G, D)  # the query heads sharing a KV head
+    scores = torch.bmm(qg, k.transpose(1, 2)).mul_(scale)  # (B * Hkv, G, N * P)
+    scores.masked_fill_(hidden, float("-inf"))  # a fill, not an added -inf: garbage (NaN) never leaks
+    # softmax by hand (each row has a visible token, so the max is finite), keeping the lse
+    m = scores.amax(-1, keepdim=True)  # (B * Hkv, G, 1)
+    p = torch.exp(scores - m)  # exactly 0 on masked tokens
+    total = p.sum(-1, keepdim=True)
+    v.masked_fill_(hidden.transpose(1, 2), 0.0)  # (B * Hkv, N * P, D), a fresh gather; 0 * NaN is NaN
+    out = torch.bmm(p, v).div_(total).reshape(B, Hq, D).to(q.dtype)
+    if not return_lse:
+        return out
+    return out, (m + total.log()).reshape(B, Hq)
