@@ -13,7 +13,9 @@ active KV per step (with the band between the least and the most active layer) a
 line. Runs alternate policies `--repeats` times; times are medians.
 
 Policies that keep a per-step trajectory (softfreeze) give it themselves; for the others it is
-sampled through policy.stats() after each token (which costs time: compare times of the former). --relevance-stats also prints
+sampled through policy.stats() after each token (which costs time: compare times of the former).
+The end value of softfreeze's compression swings with its freeze cycles (with d = 1 many tokens
+freeze and thaw on the same steps): read it beside the mean over the steps. --relevance-stats also prints
 the distribution of softfreeze's raw relevance s_j (Eq. 2), to judge its threshold tau.
 """
 from __future__ import annotations

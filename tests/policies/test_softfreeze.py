@@ -417,19 +417,41 @@ def test_smollm2_tau_zero_is_full_kv(smollm2):
     assert same.token_ids == full.token_ids and same.stats["freezes"] == 0
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="measured: at the default tau = 1.5 (relative) the first mass freeze at step 4 "
-                   "hides the key and SmolLM2 ends its turn after 'The pass key is'; full KV passes")
-def test_smollm2_passkey_in_1500_tokens_of_filler(smollm2):
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+
+def passkey_prompt(key: str, depth: int) -> str:
+    """Table 2's task: a 5-digit key after `depth` of 60 filler blocks (~1,500 tokens in all)."""
+    parts = [FILLER] * 60
+    parts.insert(depth, f"The pass key is {key}. Remember it. {key} is the pass key. ")
+    return ("There is important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+            + "".join(parts) + "What is the pass key?")
+
+
+def run_passkey(smollm2, key, depth):
     import minikv
 
     model, tok = smollm2
-    filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-    key = "44181"
-    parts = [filler] * 60
-    parts.insert(30, f"The pass key is {key}. Remember it. {key} is the pass key. ")
-    prompt = ("There is important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-              + "".join(parts) + "What is the pass key?")
-    result = minikv.generate(model, tok, prompt, chat=True, policy="softfreeze", max_new_tokens=24)
+    policy = make("softfreeze")  # the defaults: the same settings as Table 1's compression
+    result = minikv.generate(model, tok, passkey_prompt(key, depth), chat=True, policy=policy, max_new_tokens=24)
     assert 1300 < result.stats["prompt_tokens"] < 1800, result.stats["prompt_tokens"]
+    check_real_invariants(policy)
+    return result
+
+
+def test_smollm2_passkey_in_1500_tokens_of_filler(smollm2):
+    # Table 2 (the paper's key, in the middle of the filler), greedy, at the default settings
+    result = run_passkey(smollm2, "44181", 30)
+    assert "44181" in result.text, result.text
+    # the key is still retrieved after the first freeze (step k^2 - 1 = 15): the answer goes on
+    # past step 15 and repeats it, with most of the prompt frozen by then
+    assert result.stats["new_tokens"] == 24 and result.text.count("44181") == 2, result.text
+    assert result.stats["freezes"] > 0 and result.stats["compression"] > 0.5, result.stats["compression"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key, depth", [("38612", 3), ("27849", 45), ("51374", 50)])
+def test_smollm2_passkey_other_keys_and_depths(smollm2, key, depth):
+    # depths where full KV passes too: SmolLM2-135M fails with full KV at depths 8 and 15 of 60
+    result = run_passkey(smollm2, key, depth)
     assert key in result.text, result.text
