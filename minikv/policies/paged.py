@@ -213,7 +213,8 @@ class PagedKV:
                 moves.append((c * self.Hkv + h, self.n_sink + j, h))
             lens_change |= was_used != [held[j] >= 0 for j in free]  # a slot emptied, or an empty one filled
         if moves:
-            self._copy_in(*torch.tensor(moves).unbind(1), background)  # (n,) each
+            flat, slots, heads = (torch.tensor(column) for column in zip(*moves))  # (n,) each, contiguous
+            self._copy_in(flat, slots, heads, background)
         if lens_change:  # only while the selection has fewer pages than slots: rewrite their lengths
             lens = torch.tensor([[self.P if c >= 0 else 0 for c in row] for row in self.held], dtype=torch.int32)
             self.page_lens[0, :, self.n_sink:self.w0].copy_(lens, non_blocking=True)

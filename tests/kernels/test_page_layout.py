@@ -61,3 +61,21 @@ def test_hnd_to_nhd_undoes_nhd_to_hnd():
     heads = torch.arange(3).repeat(5)
     hnd_to_nhd(blocks.reshape(15, 2, 4, 8), k2, v2, slots, heads, backend="triton")
     assert torch.equal(k2, k) and torch.equal(v2, v)
+
+
+def test_kernel_rejects_strided_slot_and_head_indices():
+    # regression: columns of one (n, 3) tensor are strided views; the kernel reads slots[i] at
+    # slots_ptr + i, so it once scattered blocks into wrong slots (out of bounds, under the
+    # interpreter a heap corruption). The launcher must refuse them, and the policy pass columns.
+    import pytest
+
+    blocks = torch.randn(2, 2, 4, 8)
+    k_pages, v_pages = torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 8)
+    moves = torch.tensor([[7, 0, 1], [9, 2, 0]])  # (host row, slot, head) per block
+    slots, heads = moves[:, 1], moves[:, 2]
+    assert not slots.is_contiguous()
+    with pytest.raises(AssertionError, match="contiguous"):
+        hnd_to_nhd(blocks, k_pages, v_pages, slots, heads, backend="triton")
+    hnd_to_nhd(blocks, k_pages, v_pages, slots.contiguous(), heads.contiguous(), backend="triton")
+    torch.testing.assert_close(k_pages[2, :, 0], blocks[1, 0], rtol=0, atol=0)
+    torch.testing.assert_close(v_pages[0, :, 1], blocks[0, 1], rtol=0, atol=0)

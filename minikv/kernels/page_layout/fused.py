@@ -35,6 +35,9 @@ def hnd_to_nhd(blocks, k_pages, v_pages, slots, heads):
         f"pool (S, P={P}, Hkv, D={D}), got k {tuple(k_pages.shape)}, v {tuple(v_pages.shape)}"
     assert slots.shape == (n,) and heads.shape == (n,), f"slots, heads (n={n},), got {tuple(slots.shape)}, {tuple(heads.shape)}"
     assert not slots.is_floating_point() and not heads.is_floating_point()
+    # the kernel reads slots[i] at slots_ptr + i: a strided view would send blocks to wrong slots
+    assert slots.is_contiguous() and heads.is_contiguous(), "slots and heads must be contiguous"
+
     assert blocks.stride(-1) == k_pages.stride(-1) == v_pages.stride(-1) == 1, "the head dim must be contiguous"
     assert blocks.device == k_pages.device == v_pages.device == slots.device == heads.device, "one device"
     if n == 0:
