@@ -150,8 +150,11 @@ class SoftFreezeLayer(LayerKV):
         self.n_act += 1
         self.n_tok += 1
         # Algorithm 1 line 1 (attention over the active cache A) and line 2 (s_j, Eq. 2), one pass
-        out, s = attention_relevance(q[:, :, 0], self.k, self.v, self._lengths(), backend=self.policy.backend)
-        self.schedule(s[0, : self.n_act], self.policy.steps)
+        # read only the active slots: the buffer's capacity past them (it grows by doubling) is empty
+        a = self.n_act
+        out, s = attention_relevance(q[:, :, 0], self.k[:, :, :a], self.v[:, :, :a], self._lengths(),
+                                     backend=self.policy.backend)
+        self.schedule(s[0], self.policy.steps)
         return out[:, :, None]
 
     def device_tokens(self) -> int:

@@ -114,7 +114,8 @@ def scripted_relevance(table, driver):
     """A stand-in for the fused op: the real attention, s_j = table[step, token of slot j]."""
     def fn(q, k, v, lengths, scale=None, *, backend="eager"):
         out, _ = ar_reference.attention_relevance(q, k, v, lengths, scale)
-        layer = next(layer for layer in driver.policy.layers if layer.k is k)
+        # the policy passes a view of its buffer (the active slots): find the layer by storage
+        layer = next(layer for layer in driver.policy.layers if layer.k.data_ptr() == k.data_ptr())
         s = torch.zeros(1, k.shape[2])
         n = int(lengths[0])
         s[0, :n] = table[driver.policy.steps, layer.slot_tok[:n]]
