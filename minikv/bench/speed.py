@@ -4,7 +4,8 @@
 
 Prompts are the first N tokens of the standard library's pydoc_data.topics text; generation
 ignores EOS so every run decodes --new-tokens tokens. The first policy is the baseline of the
-`vs first` column (its time per token divided by this row's: above 1 is faster).
+`vs first` column (its time per token divided by this row's: above 1 is faster). Policies take
+turns run by run (--warmup untimed rounds, then --repeats timed ones) and medians are reported.
 """
 from __future__ import annotations
 
@@ -23,12 +24,8 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed runs before measuring")
 
 
-def measure(model, tokenizer, policy: str, ids: list[int], new_tokens: int, repeats: int, warmup: int) -> dict:
-    runs = []
-    for i in range(warmup + repeats):
-        stats = generate(model, tokenizer, ids, policy=policy, max_new_tokens=new_tokens, stop_at_eos=False).stats
-        if i >= warmup:
-            runs.append(stats)
+def summarize(runs: list[dict], new_tokens: int) -> dict:
+    """Medians over the timed runs of one policy at one prompt length."""
     return {
         "ttft_s": statistics.median(r["ttft_s"] for r in runs),
         "tpot_s": statistics.median(r["tpot_s"] for r in runs),
@@ -46,9 +43,16 @@ def run(args) -> int:
     rows = []
     for n in args.prompt_lengths:
         ids = text_ids(tokenizer, n)
+        runs = {policy: [] for policy in policies}
+        # policies take turns, run by run, so that a noisy shared machine slows them alike
+        for i in range(args.warmup + args.repeats):
+            for policy in policies:
+                stats = generate(model, tokenizer, ids, policy=policy, max_new_tokens=args.new_tokens,
+                                 stop_at_eos=False).stats
+                if i >= args.warmup:
+                    runs[policy].append(stats)
         for policy in policies:
-            row = {"policy": policy, "prompt_tokens": n, **measure(model, tokenizer, policy, ids, args.new_tokens,
-                                                                  args.repeats, args.warmup)}
+            row = {"policy": policy, "prompt_tokens": n, **summarize(runs[policy], args.new_tokens)}
             row["tokens_per_s"] = 1.0 / row["tpot_s"]
             row["tpot_ms"] = 1000 * row["tpot_s"]
             base = next((r for r in rows if r["prompt_tokens"] == n), row)
