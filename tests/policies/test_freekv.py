@@ -200,3 +200,36 @@ def test_smollm2_full_budget_equals_full_and_retrieval_stats(smollm2):
             assert s["pages_recalled"] > 0 and 0 <= s["correction_rate"] <= 1
             assert 0 <= s["speculative_exact_rate"] <= 1
     torch.testing.assert_close(logits["freekv:budget=512"], logits["full"], rtol=1e-4, atol=1e-4)
+
+
+def test_smollm2_retrieves_a_passkey_that_a_window_of_the_same_budget_loses(smollm2):
+    """About 1,200 tokens, key at 30% depth: freekv with a 128-token budget (sink, window and two
+    selected pages) brings the key's page back and answers it; StreamingLLM holding the same 128
+    tokens has dropped it."""
+    from minikv.bench.passkey import build_prompt, draw_key, score
+    from minikv.generate import generate
+
+    model, tok = smollm2
+    key = draw_key(0)
+    ids = build_prompt(tok, 1200, 0.3, key)
+    found = generate(model, tok, ids, policy="freekv:budget=128", max_new_tokens=7, stop_at_eos=False)
+    assert score(found.text, key), found.text
+    assert found.stats["device_tokens_peak"] <= 128 and found.stats["pages_recalled"] > 0
+    lost = generate(model, tok, ids, policy="streaming:sink=4,window=124,R=1,slack=0,max_drop=0",
+                    max_new_tokens=7, stop_at_eos=False)
+    assert not score(lost.text, key), lost.text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("depth", [0.1, 0.3, 0.5, 0.7, 0.9])
+def test_smollm2_passkey_4k_budget_256(smollm2, depth):
+    """The README's table, seed 0: at 4,000 tokens with a 256-token budget, freekv with ArkVale
+    digests finds the key at every depth, as full KV does (the min/max default misses at 0.7)."""
+    from minikv.bench.passkey import build_prompt, draw_key, score
+    from minikv.generate import generate
+
+    model, tok = smollm2
+    key = draw_key(0)
+    ids = build_prompt(tok, 4000, depth, key)
+    r = generate(model, tok, ids, policy="freekv:budget=256,digest=arkvale", max_new_tokens=7, stop_at_eos=False)
+    assert score(r.text, key), r.text
