@@ -34,12 +34,16 @@ def attention_relevance(q, k, v, lengths, scale=None):
     qg = q.float().reshape(B, Hkv, group, D)  # (B, Hkv, G, D): the query heads sharing a KV head
     raw = torch.einsum("bhgd,bhld->bhgl", qg, k.float())  # (B, Hkv, G, L): q_h . k_j, unscaled
 
-    visible = torch.arange(L, device=q.device) < lengths.to(q.device)[:, None]  # (B, L)
-    # Eq. 2: mean over the Hq query heads of |q_h . k_j|; where() keeps garbage slots (maybe NaN) out
-    s = torch.where(visible, raw.abs().sum(dim=(1, 2)) / Hq, 0.0)  # (B, L)
-
-    scores = torch.where(visible[:, None, None, :], raw * scale, float("-inf"))
+    s = raw.abs().sum(dim=(1, 2)) / Hq  # (B, L) Eq. 2: mean over the Hq query heads of |q_h . k_j|
+    scores = raw * scale
+    vf = v.float()
+    if bool((lengths != L).any()):
+        visible = torch.arange(L, device=q.device) < lengths.to(q.device)[:, None]  # (B, L)
+        # where() rather than a product keeps garbage slots (maybe NaN) out: 0 * NaN is NaN
+        s = torch.where(visible, s, 0.0)
+        scores = torch.where(visible[:, None, None, :], scores, float("-inf"))
+        vf = torch.where(visible[:, None, :, None], vf, 0.0)
+    # else every row reads all L slots (the caller sliced the buffer to the active tokens): no mask
     p = torch.softmax(scores, dim=-1)  # (B, Hkv, G, L), exactly 0 on masked slots
-    vf = torch.where(visible[:, None, :, None], v.float(), 0.0)  # 0 * NaN would still be NaN
     out = torch.einsum("bhgl,bhld->bhgd", p, vf).reshape(B, Hq, D).to(q.dtype)
     return out, s
