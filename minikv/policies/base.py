@@ -55,15 +55,20 @@ class Tiers:
         self.bytes_to_host = 0
         self.bytes_to_device = 0
 
-    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+    # fresh=True: t is a temporary nobody else holds (the result of a gather), so on a CPU-only
+    # machine it is already the copy and is handed over as is; otherwise a real copy is made,
+    # even when the device is the CPU. Bytes are counted either way.
+    def to_host(self, t: torch.Tensor, fresh: bool = False) -> torch.Tensor:
         self.bytes_to_host += t.numel() * t.element_size()
-        if self.pin:
+        if self.pin:  # blocking: the caller reads the result on the host right away
             out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-            return out.copy_(t, non_blocking=True)
-        return t.to("cpu", copy=True)  # a real copy even when device is the CPU
+            return out.copy_(t)
+        return t if fresh and t.device.type == "cpu" else t.to("cpu", copy=True)
 
-    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+    def to_device(self, t: torch.Tensor, fresh: bool = False) -> torch.Tensor:
         self.bytes_to_device += t.numel() * t.element_size()
+        if fresh and t.device == self.device:
+            return t
         return t.to(self.device, non_blocking=self.pin, copy=True)
 
 

@@ -18,10 +18,13 @@ attentions of steps t+1 .. t+d and restored at the end of step t+d; we store tha
 instead of a countdown, which is the same schedule without touching every timer every step.
 
 Data layout, one sequence (max_batch = 1), per layer:
-    k, v      (1, Hkv, cap, D)  device: the *active* tokens, contiguous in slots [0, n_act), any
-                                order (attention is order-free); cap grows by doubling
+    kv        (2, Hkv, cap, D)  device: keys (kv[0]) and values (kv[1]) of the *active* tokens,
+                                contiguous in slots [0, n_act), any order (attention is
+                                order-free); cap grows by doubling. k, v are its (1, Hkv, cap, D)
+                                views. One buffer, so every move of K and V is one op, not two.
     slot_tok  (cap,)            device: the token index (= position) held by each active slot
-    k_host, v_host (Hkv, max_len, D)  host: frozen tokens, addressed by token index
+    kv_host   (2, Hkv, max_len, D)  host: frozen tokens, addressed by token index (views k_host,
+                                v_host (Hkv, max_len, D))
     slot_count (cap,)           device: c_j of the token in each active slot
     count, thaw_at, frozen_at (max_len,)  device: per-token state of frozen tokens
 Per step and layer, when nothing freezes or thaws, the schedule is a handful of vector ops and
@@ -107,10 +110,8 @@ class SoftFreezeLayer(LayerKV):
         self.n_frozen = 0
         self.next_thaw = NOT_FROZEN  # earliest thaw_at of a frozen token: no restore check before it
         self.freezes = self.thaws = 0  # tokens moved by Algorithm 1 (recovery counted by the policy)
-        self.k = self.v = self.slot_tok = self.slot_count = None
-        pin = policy.tiers.pin
-        self.k_host = torch.empty((self.Hkv, N, self.D), dtype=policy.dtype, pin_memory=pin)
-        self.v_host = torch.empty((self.Hkv, N, self.D), dtype=policy.dtype, pin_memory=pin)
+        self.kv = self.slot_tok = self.slot_count = None
+        self.kv_host = torch.empty((2, self.Hkv, N, self.D), dtype=policy.dtype, pin_memory=policy.tiers.pin)
         # c_j lives beside the active slot (slot_count), so the per-step update is one add; a
         # frozen token's count waits in count by token index and comes back with it
         self.count = torch.zeros(N, dtype=torch.int64, device=dev)
@@ -127,8 +128,8 @@ class SoftFreezeLayer(LayerKV):
         # q (1, Hq, T, D); k, v (1, Hkv, T, D)
         T = k.shape[2]
         self._reserve(T + 64)
-        self.k[:, :, :T] = k
-        self.v[:, :, :T] = v
+        self.kv[0, :, :T] = k[0]
+        self.kv[1, :, :T] = v[0]
         self.slot_tok[:T] = torch.arange(T, device=k.device)
         self.slot_count[:T] = 0
         self.n_act = self.n_tok = T
@@ -143,8 +144,8 @@ class SoftFreezeLayer(LayerKV):
         # q (1, Hq, 1, D); k, v (1, Hkv, 1, D); the token's position is n_tok
         self._reserve(self.n_act + 1)
         a = self.n_act
-        self.k[:, :, a] = k[:, :, 0]
-        self.v[:, :, a] = v[:, :, 0]
+        self.kv[0, :, a] = k[0, :, 0]
+        self.kv[1, :, a] = v[0, :, 0]
         self.slot_tok[a] = self.n_tok
         self.slot_count[a] = 0
         self.n_act += 1
@@ -188,7 +189,7 @@ class SoftFreezeLayer(LayerKV):
             slots, c = slots[c >= p.c_min], c[c >= p.c_min]
         if len(slots):
             tok = self.slot_tok[slots]  # (f,)
-            d = torch.floor(torch.sqrt(c.double()) / p.softness).long()  # line 5, Eq. 3
+            d = p.duration[c]  # line 5, Eq. 3 (tabulated)
             # a token frozen now thaws at the end of step now + d: lines 10-15 skip it this step
             self.thaw_at[tok] = now + d
             self.frozen_at[tok] = now
@@ -219,8 +220,7 @@ class SoftFreezeLayer(LayerKV):
         keep[slots] = False
         holes = slots[slots < m]  # removed slots inside the new length...
         fill = keep[m:].nonzero()[:, 0] + m  # ...and as many kept slots past it
-        for buf in (self.k, self.v):
-            buf[:, :, holes] = buf[:, :, fill]
+        self.kv[:, :, holes] = self.kv[:, :, fill]
         self.slot_tok[holes] = self.slot_tok[fill]
         self.slot_count[holes] = self.slot_count[fill]
         self.n_act = m
@@ -228,8 +228,7 @@ class SoftFreezeLayer(LayerKV):
     def _freeze(self, slots: torch.Tensor, tok: torch.Tensor) -> None:
         """Move active slots `slots` (holding tokens `tok`) to the host tier."""
         tiers, host_tok = self.policy.tiers, tok.cpu()
-        self.k_host[:, host_tok] = tiers.to_host(self.k[0, :, slots])  # (Hkv, f, D)
-        self.v_host[:, host_tok] = tiers.to_host(self.v[0, :, slots])
+        self.kv_host[:, :, host_tok] = tiers.to_host(self.kv[:, :, slots], fresh=True)  # (2, Hkv, f, D)
         self._remove_slots(slots)
         self.n_frozen += len(tok)
 
@@ -240,8 +239,7 @@ class SoftFreezeLayer(LayerKV):
             tiers, host_tok = self.policy.tiers, tok.cpu()
             self._reserve(self.n_act + r)
             a, b = self.n_act, self.n_act + r
-            self.k[0, :, a:b] = tiers.to_device(self.k_host[:, host_tok])  # (Hkv, r, D)
-            self.v[0, :, a:b] = tiers.to_device(self.v_host[:, host_tok])
+            self.kv[:, :, a:b] = tiers.to_device(self.kv_host[:, :, host_tok], fresh=True)  # (2, Hkv, r, D)
             self.slot_tok[a:b] = tok
             if self.policy.history is None:
                 self.slot_count[a:b] = self.count[tok]
@@ -256,14 +254,19 @@ class SoftFreezeLayer(LayerKV):
         if n <= self.cap:
             return
         cap = min(self.policy.max_len, max(n, 2 * self.cap))
-        k = torch.empty((1, self.Hkv, cap, self.D), dtype=self.policy.dtype, device=self.policy.tiers.device)
-        v = torch.empty_like(k)
-        slot_tok, slot_count = (torch.empty(cap, dtype=torch.int64, device=k.device) for _ in range(2))
+        kv = torch.empty((2, self.Hkv, cap, self.D), dtype=self.policy.dtype, device=self.policy.tiers.device)
+        slot_tok, slot_count = (torch.empty(cap, dtype=torch.int64, device=kv.device) for _ in range(2))
         if self.cap:
             a = self.n_act
-            k[:, :, :a], v[:, :, :a] = self.k[:, :, :a], self.v[:, :, :a]
+            kv[:, :, :a] = self.kv[:, :, :a]
             slot_tok[:a], slot_count[:a] = self.slot_tok[:a], self.slot_count[:a]
-        self.k, self.v, self.slot_tok, self.slot_count, self.cap = k, v, slot_tok, slot_count, cap
+        self.kv, self.slot_tok, self.slot_count, self.cap = kv, slot_tok, slot_count, cap
+
+    # views of the two buffers: (1, Hkv, cap, D) as attention takes them, (Hkv, max_len, D) on the host
+    k = property(lambda self: self.kv[0:1])
+    v = property(lambda self: self.kv[1:2])
+    k_host = property(lambda self: self.kv_host[0])
+    v_host = property(lambda self: self.kv_host[1])
 
     def _lengths(self) -> torch.Tensor:
         return self.lengths.fill_(self.n_act)
@@ -343,6 +346,11 @@ class SoftFreeze(Policy):
 
     def bind(self, cfg, **kwargs) -> "SoftFreeze":
         super().bind(cfg, **kwargs)
+        # Eq. 3 tabulated, d = floor(sqrt(c) / k), one lookup per step instead of five ops. A count
+        # grows at most once a step, and the steps of a generation are at most max_len plus the
+        # tokens its (at most max_rewalks) rewalks regenerate
+        c = torch.arange(self.max_len + self.max_rewalks * self.rewalk_tokens + 1, dtype=torch.float64)
+        self.duration = torch.floor(torch.sqrt(c) / self.softness).long().to(self.tiers.device)
         self.entropies: list[float] = []  # H of each step's next-token distribution, nats
         self.level = 0  # the ladder's current rung, 0 = calm
         self.calm = 0  # steps since the last spike
