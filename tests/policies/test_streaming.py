@@ -300,3 +300,23 @@ def test_smollm2_streaming(smollm2):
     assert torch.equal(prefilled[:49].argmax(-1), full[:49].argmax(-1))
     assert (prefilled[60:] - full[60:]).abs().max() > 0.1
     assert abs(nll(prefilled) - nll(full)) < 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_smollm2_passkey_3k_full_finds_streaming_256_loses(smollm2, seed):
+    """What a user must know (issue 4, README): at 3,000 tokens with the key in the middle, full
+    KV answers it and StreamingLLM holding 256 tokens (sinks + recent window) cannot, since the
+    key left the window long before the question."""
+    from minikv.bench.passkey import build_prompt, draw_key, score
+    from minikv.generate import generate
+
+    model, tok = smollm2
+    key = draw_key(seed)
+    ids = build_prompt(tok, 3000, 0.5, key)
+    full = generate(model, tok, ids, policy="full", max_new_tokens=8, stop_at_eos=False)
+    assert score(full.text, key), full.text
+    window = generate(model, tok, ids, policy="streaming:budget=256,R=1,slack=0,max_drop=0",
+                      max_new_tokens=8, stop_at_eos=False)
+    assert window.stats["device_tokens_peak"] <= 256
+    assert not score(window.text, key), window.text
