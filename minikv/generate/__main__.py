@@ -94,7 +94,12 @@ def main(argv=None) -> int:
         return 2
     printer = StreamPrinter(tokenizer, enabled=not args.json)
     bar = progress_bar(total=model.cfg.n_layers, desc="prefill", enabled=None)  # shown on a terminal
-    progress = lambda i, n: bar.update(1) if i <= n else None  # noqa: E731
+
+    def progress(layer: int, n_layers: int) -> None:  # called after each layer of the prefill
+        bar.update(1)
+        if layer == n_layers:
+            bar.close()  # erase the bar before the first token is printed on its line
+
     interrupted = False
     try:
         result = generate(model, tokenizer, prompt, policy=args.policy, max_new_tokens=args.max_new_tokens,
