@@ -305,7 +305,7 @@ def test_smollm2_streaming(smollm2):
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_smollm2_passkey_3k_full_finds_streaming_256_loses(smollm2, seed):
-    """What a user must know (issue 4, README): at 3,000 tokens with the key in the middle, full
+    """What a user must know (README): at 3,000 tokens with the key in the middle, full
     KV answers it and StreamingLLM holding 256 tokens (sinks + recent window) cannot, since the
     key left the window long before the question."""
     from minikv.bench.passkey import build_prompt, draw_key, score
