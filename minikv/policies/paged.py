@@ -37,6 +37,7 @@ import math
 
 import torch
 
+from ..kernels.page_gather import page_gather
 from ..kernels.page_layout import hnd_to_nhd, nhd_to_hnd
 from ..kernels.paged_attention import paged_attention
 
@@ -87,6 +88,9 @@ class PagedKV:
         self.n_cand_tensor = torch.zeros(1, dtype=torch.int64, device=dev)  # the same, as page_scores' n_valid
         self.pages_recalled = 0
         self.cuda = dev.type == "cuda"
+        # the gather reads the host tier: Triton can address it only when it is not CPU memory
+        # beside a GPU (on a CPU-only machine the kernel runs in Triton's interpreter)
+        self.gather_backend = "eager" if self.cuda else backend
         self._buf = 0
         n_stage = max(1, H * n_select)  # one recall moves at most every selected slot of every head
         self.stage_host = [torch.empty(n_stage, 2, P, D, dtype=dtype, pin_memory=tiers.pin) for _ in range(2)]
@@ -229,14 +233,14 @@ class PagedKV:
         self._buf ^= 1  # two staging buffers in turn: the next gather need not wait for this copy
         host_rows = self.host.view(-1, 2, self.P, self.D)
         if not self.cuda:
-            torch.index_select(host_rows, 0, flat, out=self.stage_host[buf][:n])
+            page_gather(host_rows, flat, self.stage_host[buf], backend=self.gather_backend)
             blocks = self.stage_dev[buf][:n]
             blocks.copy_(self.stage_host[buf][:n])
             self.tiers.bytes_to_device += blocks.numel() * blocks.element_size()
             hnd_to_nhd(blocks, self.k_pages, self.v_pages, slots, heads, backend=self.backend)
             return
         self.buf_free[buf].synchronize()  # the transfer that last read this pinned buffer is done
-        torch.index_select(host_rows, 0, flat, out=self.stage_host[buf][:n])
+        page_gather(host_rows, flat, self.stage_host[buf], backend=self.gather_backend)
         main = torch.cuda.current_stream()
         stream = self.side if background else main
         stream.wait_stream(main)  # selection, and this step's attention over the old slots, first
