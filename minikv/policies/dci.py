@@ -120,10 +120,12 @@ class DCIForest:
         self.n = 0
         self.top = 0  # number of levels (0: empty tree)
         self.keys = torch.zeros(H, capacity, D)
-        self.sq = torch.zeros(H, capacity)  # |k|^2
+        # |k|^2 and c in float64: sqrt(c^2 - |k|^2) of the longest keys, the ones MIPS is about,
+        # takes the square root of a difference near 0, where float32 would lose ~1e-3
+        self.sq = torch.zeros(H, capacity, dtype=torch.float64)  # |k|^2
         self.uk = torch.zeros(H, capacity)  # u[:D].k
         self.proj = torch.zeros(H, capacity)  # u.T_K(k) at the current c
-        self.c = torch.zeros(H)  # running max key norm, per head
+        self.c = torch.zeros(H, dtype=torch.float64)  # running max key norm, per head
         self.level = torch.zeros(capacity, dtype=torch.int64)
         self.pos_in_level = torch.zeros(capacity, dtype=torch.int64)
         self.level_lists: dict[int, list[int]] = {}
@@ -143,7 +145,7 @@ class DCIForest:
     def _project(self, uk: torch.Tensor, sq: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         # u.T_K(k) = (u[:D].k + u[D] sqrt(c^2 - |k|^2)) / c      uk, sq (H, n), c (H,)
         c = c[:, None].clamp_min(1e-30)
-        return (uk + self.u[-1] * (c * c - sq).clamp_min(0).sqrt()) / c
+        return ((uk + self.u[-1].double() * (c * c - sq).clamp_min(0).sqrt()) / c).float()
 
     def query_projection(self, q: torch.Tensor) -> torch.Tensor:
         """u.T_Q(q) for q (R, D) -> (R,)."""
@@ -155,8 +157,8 @@ class DCIForest:
         # tree's points ids (n,) -> (H, m, n); the nearest under T_K has the largest sim
         c2 = (self.c * self.c)[:, None]
         b, sq_b = self.keys[:, ids], self.sq[:, ids]
-        return torch.bmm(a, b.transpose(1, 2)) + ((c2 - sq_a).clamp_min(0).sqrt()[:, :, None]
-                                                   * (c2 - sq_b).clamp_min(0).sqrt()[:, None, :])
+        tail = (c2 - sq_a).clamp_min(0).sqrt()[:, :, None] * (c2 - sq_b).clamp_min(0).sqrt()[:, None, :]
+        return torch.bmm(a, b.transpose(1, 2)) + tail.float()
 
     def _grow_norm(self, sq_new: torch.Tensor) -> None:
         # sq_new (H, m): raise c where a new key is longer, and reproject every point exactly
@@ -174,7 +176,7 @@ class DCIForest:
             raise ValueError(f"the DCI tree holds at most {self.cap} keys, {a + m} asked")
         self._layouts = {}  # new points (and maybe new projections): the query layouts are stale
         k = keys.float()
-        sq = k.square().sum(-1)
+        sq = k.double().square().sum(-1)
         self._grow_norm(sq)
         self.keys[:, a:a + m] = k
         self.sq[:, a:a + m] = sq

@@ -48,7 +48,7 @@ def _dci_scores_kernel(
             after = (s < prev_s) | ((s == prev_s) & (pos > prev_p))  # after the previous pick
             s = tl.where(after & (pos < C), s, float("-inf"))
             top = tl.max(s, axis=0)
-            at = tl.min(tl.where((s == top) & (top > float("-inf")), pos, C), axis=0)
+            at = tl.min(tl.where(s == top, pos, C), axis=0)  # (an all -inf block: found stays False)
             better = (top > best_s) | ((top == best_s) & (at < best_p))
             best_s = tl.where(better, top, best_s)
             best_p = tl.where(better, at, best_p)

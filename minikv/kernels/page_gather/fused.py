@@ -19,6 +19,16 @@ def _gather_kernel(src_ptr, rows_ptr, out_ptr, E, s_src, s_out, BLOCK: tl.conste
     tl.store(out_ptr + i * s_out + e, x, mask=e < E)
 
 
+def _blocks_contiguous(t):
+    # the elements of one block are E consecutive elements (any stride between blocks)
+    expected = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def page_gather(src, rows, out):
     n = rows.numel()
     assert rows.dim() == 1 and not rows.is_floating_point() and rows.is_contiguous(), "rows: (n,) contiguous ints"
@@ -26,7 +36,7 @@ def page_gather(src, rows, out):
     assert src.dtype == out.dtype, f"src {src.dtype}, out {out.dtype}"
     E = math.prod(src.shape[1:])
     # a block must be E contiguous elements (one page of one head, keys then values)
-    assert src[0].is_contiguous() and out[0].is_contiguous(), "each block must be contiguous"
+    assert _blocks_contiguous(src) and _blocks_contiguous(out), "each block must be contiguous"
     assert src.device == rows.device == out.device, "one device"
     if n:
         BLOCK = min(1024, triton.next_power_of_2(E))
