@@ -98,6 +98,11 @@ class LayerKV(ABC):
         """Token slots reserved on the device tier (preallocation counts)."""
         return self.device_tokens()
 
+    def attended_indices(self) -> "torch.Tensor | None":
+        """(Hkv, n) int64 absolute indices of the tokens the last decode step's attention read,
+        per KV head, -1 pads; None when the layer reads every token it has seen."""
+        return None
+
 
 class Policy(ABC):
     """Base of all policies. Subclasses set `name`, take their parameters as keyword-only
