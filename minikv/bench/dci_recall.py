@@ -49,10 +49,9 @@ def tree_recall(q: torch.Tensor, keys: torch.Tensor, k: int, fov: int | None = N
     H, n, _ = keys.shape
     forest = DCIForest(n_heads=H, head_dim=D, page_size=16, capacity=n, u=random_direction(D, seed))
     forest.build(keys)
-    heads = (torch.arange(Hq) // (Hq // H)).repeat_interleave(Q)  # (Hq Q,) rows of q, head by head
-    rows = q.reshape(Hq * Q, D)
-    found = forest.top_keys(rows, heads, k, fov, prop)  # (Hq Q, k)
-    exact = torch.bmm(keys[heads], rows[:, :, None])[:, :, 0].topk(k, dim=1).indices
+    blocks = q.reshape(H, Hq // H * Q, D)  # the queries of the heads of each GQA group
+    found = forest.top_keys(blocks, torch.arange(H), k, fov, prop).reshape(Hq * Q, k)
+    exact = torch.bmm(blocks, keys.transpose(1, 2)).reshape(Hq * Q, n).topk(k, dim=1).indices
     hits = sum(len(set(a) & set(b)) for a, b in zip(found.tolist(), exact.tolist()))
     return hits / exact.numel(), forest.scored / forest.searched
 

@@ -317,68 +317,73 @@ class DCIForest:
         return lay
 
     def candidates(self, q: torch.Tensor, heads: torch.Tensor, fov: int, prop: float):
-        """Algorithm 4 with Flag = True: score the keys the tree search visits. q (R, D), heads (R,)
-        the KV head of each row -> ids (R, C) tree ids and scores (R, C) float32 q.k (-1 / -inf
-        pad), per level from the top, concatenated."""
-        R = q.shape[0]
+        """Algorithm 4 with Flag = True: score the keys the tree search visits. q (B, G, D) blocks
+        of G queries searching the tree of KV head heads[b] (B,) -> per level, from the top,
+        concatenated: ids (B, C) tree ids (-1 pad) and scores (B, G, C) float32, q.k where query g
+        scored the key, -inf where it did not (a block's queries share one candidate list, the
+        union of what they visit: each key is read once per block)."""
+        B, G, D = q.shape
+        R = B * G
         qf = q.float()
-        twice_pq = 2 * self.query_projection(qf)[:, None]  # (R, 1) 2 u.T_Q(q)
+        twice_pq = 2 * self.query_projection(qf.reshape(R, D))[:, None]  # (R, 1) 2 u.T_Q(q)
         ids_out, scores_out = [], []
         expanded = None  # (R, n_{l+1} + 1) bool: the fov best points of the level above, by position
         for level in range(self.top, 0, -1):
-            order, par, start, size, x = (t.index_select(0, heads) for t in self._layout(level))  # (R, n_l)
+            order, par, start, size, x = (t.index_select(0, heads) for t in self._layout(level))  # (B, n_l)
             n_l = order.shape[1]
-            ar = torch.arange(n_l)
-            visible = None if expanded is None else expanded.gather(1, self.pos_in_level[par.clamp_min(0)])
-            keep = closest_per_node(x, twice_pq, start, size, prop, ar)
-            if visible is not None:
-                keep &= visible
-            # pack each row's kept points to the front: (R, C) tree ids, -1 pad
-            dest = keep.cumsum(1) - 1
+            rows = lambda t: t[:, None].expand(B, G, n_l).reshape(R, n_l)  # noqa: E731  (B, n_l) -> (R, n_l)
+            keep = closest_per_node(rows(x), twice_pq, rows(start), rows(size), prop, torch.arange(n_l))
+            if expanded is not None:  # only the children of the nodes this query expanded
+                keep &= expanded.gather(1, rows(self.pos_in_level[par.clamp_min(0)]))
+            keep = keep.view(B, G, n_l)
+            union = keep.any(1)  # (B, n_l)
+            dest = union.cumsum(1) - 1
             C = int(dest[:, -1].max()) + 1
             if C == 0:
                 break
-            cand = torch.full((R, C + 1), -1, dtype=torch.int64)
-            cand.scatter_(1, torch.where(keep, dest, C), order)
-            cand = cand[:, :C]
-            scores, best = dci_scores(qf, self.keys, heads, cand, min(fov, C), backend=self.backend)
+            at = torch.full((B, C + 1), n_l, dtype=torch.int64)  # layout positions of the union, n_l pad
+            at.scatter_(1, torch.where(union, dest, C), torch.arange(n_l).expand(B, n_l))
+            at = at[:, :C]
+            cand = torch.where(at < n_l, order.gather(1, at.clamp_max(n_l - 1)), -1)  # tree ids
+            mask = keep.gather(2, at.clamp_max(n_l - 1)[:, None].expand(B, G, C))
+            scores, best = dci_scores(qf, self.keys, heads, cand, mask, min(fov, C), backend=self.backend)
             ids_out.append(cand)
             scores_out.append(scores)
+            self.scored += int(keep.sum())
             if level > 1:  # the fov best of this level are expanded on the next
-                chosen = cand.gather(1, best.clamp_min(0))
-                at = torch.where(best >= 0, self.pos_in_level[chosen.clamp_min(0)], n_l)
-                expanded = torch.zeros(R, n_l + 1, dtype=torch.bool).scatter_(1, at, True)
-        ids = torch.cat(ids_out, dim=1)
-        scores = torch.cat(scores_out, dim=1)
-        self.scored += int((ids >= 0).sum())
+                chosen = cand.gather(1, best.view(B, -1).clamp_min(0)).view(R, -1)
+                where = torch.where(best.view(R, -1) >= 0, self.pos_in_level[chosen.clamp_min(0)], n_l)
+                expanded = torch.zeros(R, n_l + 1, dtype=torch.bool).scatter_(1, where, True)
         self.searched += R * self.n
-        return ids, scores
+        return torch.cat(ids_out, dim=1), torch.cat(scores_out, dim=2)
 
     def top_keys(self, q: torch.Tensor, heads: torch.Tensor, k: int, fov: int | None = None, prop: float = 0.8):
-        """The k keys of largest q.k the search finds: q (R, D) -> tree ids (R, k), -1 pad."""
+        """The k keys of largest q.k the search finds: q (B, G, D) -> tree ids (B, G, k), -1 pad."""
         ids, scores = self.candidates(q, heads, field_of_view(self.n) if fov is None else fov, prop)
-        if ids.shape[1] < k:
-            pad = k - ids.shape[1]
-            ids = torch.cat((ids, ids.new_full((ids.shape[0], pad), -1)), 1)
-            scores = torch.cat((scores, scores.new_full((ids.shape[0], pad), float("-inf"))), 1)
-        best = stable_topk(scores, k)
-        return torch.where(scores.gather(1, best) > float("-inf"), ids.gather(1, best), -1)
+        B, G, C = scores.shape
+        if C < k:
+            ids = torch.cat((ids, ids.new_full((B, k - C), -1)), 1)
+            scores = torch.cat((scores, scores.new_full((B, G, k - C), float("-inf"))), 2)
+        best = stable_topk(scores, k)  # (B, G, k)
+        found = ids[:, None].expand(B, G, -1).gather(2, best)
+        return torch.where(scores.gather(2, best) > float("-inf"), found, -1)
 
     def select_pages(self, q: torch.Tensor, heads: torch.Tensor, k: int, fov: int | None = None, prop: float = 0.8):
-        """Algorithm 3: the first k distinct pages in order of their best scored key, i.e. the k
-        pages of largest max q.k over their scored keys (ties to the lower page).
-        q (R, D), heads (R,) -> pages (R, k) of each row's head, -1 pad."""
-        R = q.shape[0]
+        """Algorithm 3: per query, the first k distinct pages in order of their best scored key,
+        i.e. the k pages of largest max q.k over the keys it scored (ties to the lower page).
+        q (B, G, D), heads (B,) -> pages (B, G, k) of the block's head, -1 pad."""
+        B, G, _ = q.shape
         if self.n == 0:
-            return torch.full((R, k), -1, dtype=torch.int64)
+            return torch.full((B, G, k), -1, dtype=torch.int64)
         ids, scores = self.candidates(q, heads, field_of_view(self.n) if fov is None else fov, prop)
         pages = torch.where(ids >= 0, self.page_of.index_select(0, heads).gather(1, ids.clamp_min(0)), self.max_pages)
-        best = torch.full((R, self.max_pages + 1), float("-inf")).scatter_reduce_(1, pages, scores, "amax")
-        best[:, self.max_pages] = float("-inf")
+        best = torch.full((B, G, self.max_pages + 1), float("-inf"))
+        best.scatter_reduce_(2, pages[:, None].expand(B, G, -1), scores, "amax")
+        best[:, :, self.max_pages] = float("-inf")
         k_eff = min(k, self.max_pages)
         top = stable_topk(best, k_eff)
-        out = torch.where(best.gather(1, top) > float("-inf"), top, -1)
-        return out if k_eff == k else torch.cat((out, out.new_full((R, k - k_eff), -1)), 1)
+        out = torch.where(best.gather(2, top) > float("-inf"), top, -1)
+        return out if k_eff == k else torch.cat((out, out.new_full((B, G, k - k_eff), -1)), 2)
 
     # -- reading ---------------------------------------------------------------------------------
     def page_tokens(self, h: int, page: int) -> list[int]:

@@ -134,7 +134,7 @@ class IceCacheLayer(LayerKV):
                                 n_sink=policy.sink // P, n_select=self.K, n_window=policy.window // P,
                                 dtype=policy.dtype, tiers=policy.tiers, backend=policy.backend)
         self.G = cfg.n_heads // cfg.n_kv_heads
-        self.query_heads = torch.arange(cfg.n_heads) // self.G  # KV head of each query head
+        self.kv_heads = torch.arange(cfg.n_kv_heads)
         self.selection = None  # (Hkv, K) page ids read by the last decode step, -1 pads
         self._read = None  # what the last decode step's attention read, for attended_indices
 
@@ -147,9 +147,10 @@ class IceCacheLayer(LayerKV):
             for h, n in enumerate(f.n_pages):
                 out[h, :n] = torch.arange(n)
             return out
-        pages = f.select_pages(q[0], self.query_heads, K, pol.fov, pol.prop)  # (Hq, K), one list per query head
+        # each query head searches its KV head's tree: blocks of the G query heads of a group
+        pages = f.select_pages(q[0].view(f.H, self.G, -1), self.kv_heads, K, pol.fov, pol.prop)  # (Hkv, G, K)
         # GQA: the group's lists interleaved round-robin, the first K distinct kept
-        rounds = pages.view(f.H, self.G, K).transpose(1, 2).reshape(f.H, K * self.G)
+        rounds = pages.transpose(1, 2).reshape(f.H, K * self.G)
         return first_k_distinct(rounds, K, f.max_pages)
 
     # -- the contract ----------------------------------------------------------------------------
