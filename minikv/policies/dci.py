@@ -325,17 +325,20 @@ class DCIForest:
         B, G, D = q.shape
         R = B * G
         qf = q.float()
-        twice_pq = 2 * self.query_projection(qf.reshape(R, D))[:, None]  # (R, 1) 2 u.T_Q(q)
+        twice_pq = 2 * self.query_projection(qf.reshape(R, D)).view(B, G, 1)  # 2 u.T_Q(q)
+        same_heads = B == self.H and torch.equal(heads, torch.arange(self.H))  # the policy's case
         ids_out, scores_out = [], []
         expanded = None  # (R, n_{l+1} + 1) bool: the fov best points of the level above, by position
         for level in range(self.top, 0, -1):
-            order, par, start, size, x = (t.index_select(0, heads) for t in self._layout(level))  # (B, n_l)
+            layout = self._layout(level)
+            if not same_heads:
+                layout = tuple(t.index_select(0, heads) for t in layout)
+            order, par, start, size, x = layout  # (B, n_l) each
             n_l = order.shape[1]
-            rows = lambda t: t[:, None].expand(B, G, n_l).reshape(R, n_l)  # noqa: E731  (B, n_l) -> (R, n_l)
-            keep = closest_per_node(rows(x), twice_pq, rows(start), rows(size), prop, torch.arange(n_l))
+            keep = closest_per_node(x, twice_pq, start, size, prop, torch.arange(n_l))  # (B, G, n_l)
             if expanded is not None:  # only the children of the nodes this query expanded
-                keep &= expanded.gather(1, rows(self.pos_in_level[par.clamp_min(0)]))
-            keep = keep.view(B, G, n_l)
+                up = self.pos_in_level[par.clamp_min(0)]  # (B, n_l) position of each point's parent
+                keep &= expanded.view(B, G, -1).gather(2, up[:, None].expand(B, G, n_l))
             union = keep.any(1)  # (B, n_l)
             dest = union.cumsum(1) - 1
             C = int(dest[:, -1].max()) + 1
@@ -399,21 +402,23 @@ class DCIForest:
 def closest_per_node(x: torch.Tensor, twice_pq: torch.Tensor, start: torch.Tensor, size: torch.Tensor, prop: float,
                      ar: torch.Tensor) -> torch.Tensor:
     """DCI's candidate stop with one simple index (m = 1): of each node's children, the
-    m = ceil(prop * size) closest to the query in projection. x (R, n_l) projections, grouped by
-    node and ascending within one; start, size (R, n_l) of each point's node; twice_pq (R, 1)
-    -> keep (R, n_l) bool.
+    m = ceil(prop * size) closest to the query in projection. x (B, n_l) projections of the
+    points of a block's tree, grouped by node and ascending within one; start, size (B, n_l) of
+    each point's node; twice_pq (B, G, 1) twice each query's projection -> keep (B, G, n_l) bool.
 
     In one dimension the m nearest of a sorted run x_0 <= ... <= x_{s-1} are a window
     [a, a + m), and x_i + x_{i+m} grows with i, so a = #{i < s - m : x_i + x_{i+m} < 2 pq}:
     one gather and a cumulative sum instead of a sort per node."""
+    B, G, n_l = twice_pq.shape[0], twice_pq.shape[1], x.shape[1]
     if prop >= 1.0:
-        return torch.ones_like(x, dtype=torch.bool)
-    n_l = x.shape[1]
+        return torch.ones(B, G, n_l, dtype=torch.bool)
     m = torch.ceil(size * prop - 1e-9).long()
     i = ar - start  # position within the node
-    ahead = x.gather(1, (ar + m).clamp_max(n_l - 1))  # x_{i+m}
-    cond = (i < size - m) & (x + ahead < twice_pq)
-    cs = cond.long().cumsum(1)
-    before = torch.where(start > 0, cs.gather(1, (start - 1).clamp_min(0)), 0)
-    a = cs.gather(1, start + size - 1) - before  # window start of each point's node
-    return (i >= a) & (i < a + m)
+    pair = x + x.gather(1, (ar + m).clamp_max(n_l - 1))  # x_i + x_{i+m}, per block
+    cond = (i < size - m)[:, None] & (pair[:, None] < twice_pq)  # (B, G, n_l)
+    cs = cond.cumsum(2)
+    last = (start + size - 1)[:, None].expand(B, G, n_l)
+    before = cs.gather(2, (start - 1).clamp_min(0)[:, None].expand(B, G, n_l))
+    a = cs.gather(2, last) - torch.where(start > 0, 1, 0)[:, None] * before  # window start of each point's node
+    i = i[:, None]
+    return (i >= a) & (i < a + m[:, None])

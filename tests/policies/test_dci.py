@@ -97,7 +97,7 @@ def test_closest_fraction_of_each_node(n, prop, seed):
     ar = torch.arange(n)
     start = torch.tensor([int((nodes == nodes[i]).nonzero()[0]) for i in range(n)])
     size = torch.tensor([int((nodes == nodes[i]).sum()) for i in range(n)])
-    keep = closest_per_node(x[None], 2 * pq[None], start[None], size[None], prop, ar)[0]
+    keep = closest_per_node(x[None], 2 * pq.view(1, 1, 1), start[None], size[None], prop, ar)[0, 0]
     for node in nodes.unique().tolist():
         members = (nodes == node).nonzero()[:, 0]
         m = math.ceil(len(members) * prop - 1e-9)
