@@ -70,8 +70,8 @@ class SemanticPages(PagedKV):
         # each token into its page on the host, bit for bit
         n, P, H, D = k.shape
         m, a = n * P, self.n_cand * self.P  # tree ids a .. a + m - 1 (token n_sink P + t)
-        keys = k.permute(2, 0, 1, 3).reshape(H, m, D)  # (Hkv, m, D) in token order
-        vals = v.permute(2, 0, 1, 3).reshape(H, m, D)
+        keys = k.permute(2, 0, 1, 3).reshape(H, m, D).to("cpu")  # (Hkv, m, D) in token order, on the host
+        vals = v.permute(2, 0, 1, 3).reshape(H, m, D).to("cpu")
         if self.owner:
             if self.forest.n != a:
                 raise RuntimeError(f"tree holds {self.forest.n} keys, layer offloads from {a}")
@@ -148,7 +148,8 @@ class IceCacheLayer(LayerKV):
                 out[h, :n] = torch.arange(n)
             return out
         # each query head searches its KV head's tree: blocks of the G query heads of a group
-        pages = f.select_pages(q[0].view(f.H, self.G, -1), self.kv_heads, K, pol.fov, pol.prop)  # (Hkv, G, K)
+        # (the tree lives on the host: the query goes there, as in the authors' code)
+        pages = f.select_pages(q[0].view(f.H, self.G, -1).cpu(), self.kv_heads, K, pol.fov, pol.prop)  # (Hkv, G, K)
         # GQA: the group's lists interleaved round-robin, the first K distinct kept
         rounds = pages.transpose(1, 2).reshape(f.H, K * self.G)
         return first_k_distinct(rounds, K, f.max_pages)
