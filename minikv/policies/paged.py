@@ -103,13 +103,17 @@ class PagedKV:
         n_stage = max(1, H * n_select)  # one recall moves at most every selected slot of every head
         self.stage_host = [torch.empty(n_stage, 2, P, D, dtype=dtype, pin_memory=tiers.pin) for _ in range(2)]
         self.stage_dev = [torch.empty(n_stage, 2, P, D, dtype=dtype, device=dev) for _ in range(2)]
-        # the stream API of the asynchronous path: CUDA's, or a recorder in tests; None: in order
-        self.streams = streams if streams is not None else (CudaStreams(dev) if dev.type == "cuda" else None)
-        if self.streams is not None:
-            self.side = self.streams.stream()
-            self.buf_free = [self.streams.event(), self.streams.event()]
-            self.ready = self.streams.event()  # recorded after every recall: the chain's end
+        self.use_streams(streams if streams is not None else (CudaStreams(dev) if dev.type == "cuda" else None))
         self.last_read = (0, 0, [[-1] * n_select for _ in range(H)])  # what the last attend() read
+
+    def use_streams(self, streams) -> None:
+        """The stream API of the asynchronous recall path: CUDA's, or a recorder in tests; None
+        runs every copy in order on the calling thread (the CPU)."""
+        self.streams = streams
+        if streams is not None:
+            self.side = streams.stream()
+            self.buf_free = [streams.event(), streams.event()]
+            self.ready = streams.event()  # recorded after every recall: the end of the chain
 
     # -- where pages live --------------------------------------------------------------------
     def slot_of(self, page: int) -> int:
