@@ -199,8 +199,9 @@ class PolicyCache(Cache):
         if position_ids is not None and not torch.equal(position_ids.to(device).expand(B, T), self.positions):
             raise ValueError(f"minikv.hf: position_ids start at {int(position_ids.flatten()[0])}, but the cache "
                              f"has seen {self.seen} tokens (left padding and gaps are not supported)")
-        if ids is not None:
-            self.tokens = ids if self.tokens is None else torch.cat((self.tokens, ids.to(self.tokens.device)), 1)
+        if ids is not None:  # after a rewind, tokens ends with the token fed again now: drop that copy
+            kept = self.tokens[:, : self.seen] if self.tokens is not None else ids[:, :0]
+            self.tokens = torch.cat((kept, ids.to(kept.device)), 1)
 
     def _bind(self, B: int, T: int) -> None:
         if self.max_len is None and self.max_new_tokens is None:
