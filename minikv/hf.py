@@ -106,10 +106,7 @@ def model_config(config) -> tuple[ModelConfig, bool]:
 
 def renumbers(policy: Policy) -> bool:
     """Does the policy rotate q and k at positions other than the absolute ones?"""
-    own = getattr(type(policy), "rope_positions", None)
-    if own is None:  # before Policy.rope_positions: streaming re-rotates q and k itself
-        return policy.name == "streaming"
-    return own is not Policy.rope_positions
+    return type(policy).rope_positions is not Policy.rope_positions
 
 
 # -- the cache ------------------------------------------------------------------------------------
@@ -322,7 +319,7 @@ def _after_forward(module, args, kwargs, output):
 def _rope_positions(module, args, kwargs):
     # the rotary embedding's forward(x, position_ids): rotate at the positions the policy asks for
     cache = _active_cache()
-    if cache is None or not hasattr(cache.policy, "rope_positions") or not renumbers(cache.policy):
+    if cache is None or not renumbers(cache.policy):
         return None
     if "position_ids" in kwargs:
         kwargs = {**kwargs, "position_ids": cache.policy.rope_positions(kwargs["position_ids"])}
@@ -440,10 +437,10 @@ def policy(model, spec):
     """Inside the block, `model.generate(...)` runs every attention layer through a fresh binding
     of policy `spec` (a spec string such as "freekv:budget=256", or an unbound Policy). Yields a
     PolicyRun: `run.stats()` is the last generation's policy stats."""
+    make(spec)  # a bad spec fails here, not at the first generate
     was_attached = bool(getattr(model, "_minikv_hooks", None))
     attach(model)
     run = PolicyRun(model, spec)
-    make(spec)  # a bad spec fails here, not at the first generate
     original = model.generate
     model.generate = lambda *args, **kwargs: run.generate(original, args, kwargs)
     try:
