@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from ..policies import make
+from ..policies import available, make
 from ..policies.base import Policy
 from .common import add_common_arguments, load_model, print_table, text_ids, write_json
 
@@ -121,7 +121,7 @@ def attended_mass(p: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     indices = indices.to(p.device)
     if indices.dim() != 2 or Hq % indices.shape[0]:
         raise ValueError(f"attended_indices must be (n_kv_heads, m), got {tuple(indices.shape)} for {Hq} query heads")
-    if int(indices.max(initial=-1)) >= n:
+    if indices.numel() and int(indices.max()) >= n:
         raise ValueError(f"attended index {int(indices.max())} beyond the {n} tokens seen")
     read = torch.zeros(indices.shape[0], n + 1, dtype=p.dtype, device=p.device)
     read.scatter_(1, torch.where(indices < 0, n, indices), 1.0)  # padding lands in the spare column
@@ -136,3 +136,59 @@ def oracle_mass(p: torch.Tensor, G: int, budgets: list[int]) -> list[float]:
     order = grouped.sum(dim=1).argsort(dim=-1, descending=True)  # (Hkv, n)
     ranked = grouped.gather(2, order[:, None, :].expand(-1, G, -1)).cumsum(dim=-1)  # (Hkv, G, n)
     return [1.0 if b >= n else ranked[:, :, b - 1].mean().item() for b in budgets]
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--policy", action="append",
+                   help="policy spec, repeatable (default: every registered policy but full)")
+    p.add_argument("--budget", type=int, action="append", help="budget for policies that take one, repeatable "
+                   "(default 64 128 256 512); the oracle is computed at each")
+    p.add_argument("--prompt-length", type=int, default=2048, help="prompt tokens before decoding (2048)")
+    p.add_argument("--steps", type=int, default=32, help="tokens fed one at a time after the prompt (32)")
+    add_common_arguments(p)
+
+
+def run(args) -> int:
+    import sys
+
+    from .compare import BUDGETS, configs, long_pass
+
+    budgets = sorted(set(args.budget or BUDGETS))
+    try:
+        if args.prompt_length < 1 or args.steps < 2 or min(budgets) < 1:
+            raise ValueError("--prompt-length, --budget must be positive and --steps at least 2")
+        rows = configs(args.policy or [n for n in available() if n != "full"], budgets)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    model, tok = load_model(args)
+    ids = text_ids(tok, args.prompt_length + args.steps)
+    out = []
+    for cfg in rows:
+        policy = make(cfg["spec"])
+        if renumbers_positions(policy):
+            print(f"  {cfg['spec']}: renumbers positions, no recall", file=sys.stderr)
+            continue
+        probe = RecallProbe(policy, budgets if cfg["spec"] == "full" else ())
+        try:
+            stats = long_pass(model, ids, args.prompt_length, policy)
+        except ValueError as e:
+            print(f"  {cfg['spec']}: {e}", file=sys.stderr)
+            continue
+        if cfg["spec"] == "full":
+            out += [{"policy": "oracle (best top-b)", "budget": b, "recall": r} for b, r in probe.oracle.items()]
+        else:
+            out.append({"policy": cfg["spec"], "budget": cfg["budget"], "recall": probe.recall,
+                        "measured": probe.count, "device_tokens_peak": stats["device_tokens_peak"]})
+        print(f"  {cfg['spec']}: done", file=sys.stderr, flush=True)
+    print_table(out, [("policy", "policy", ""), ("budget", "budget", "d"), ("recall", "recall", ".3f"),
+                      ("layer-steps measured", "measured", "d"), ("peak device tokens", "device_tokens_peak", ".0f")],
+                title=f"\nattention recall, {args.model}, {args.prompt_length}-token prompt, {args.steps} steps "
+                      f"(teacher forcing on pydoc_data.topics); '-': the policy's layers report no attended_indices")
+    write_json(args.json, {"benchmark": "recall", "model": args.model, "prompt_length": args.prompt_length,
+                           "steps": args.steps, "rows": out})
+    return 0
+

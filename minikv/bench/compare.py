@@ -149,10 +149,10 @@ def run_tasks(model, tok, cfg: dict, instances, oracle_budgets, progress) -> dic
             "oracle": {b: sum(v) / len(v) for b, v in oracle.items()}}
 
 
-def long_pass(model, ids: list[int], n_prompt: int, spec: str) -> dict:
+def long_pass(model, ids: list[int], n_prompt: int, policy) -> dict:
     """Prefill n_prompt tokens, then feed the rest one at a time (teacher forcing): the time of
-    each step, the NLL of each next token, the tiers at the end."""
-    policy = make(spec).bind(model.cfg, device=model.device, dtype=model.dtype, max_len=len(ids))
+    each step, the NLL of each next token, the tiers at the end. policy: a spec or an unbound Policy."""
+    policy = make(policy).bind(model.cfg, device=model.device, dtype=model.dtype, max_len=len(ids))
     x = torch.tensor([ids], device=model.device)
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     logits = prefill(model, x[:, :n_prompt], torch.tensor([n_prompt], device=model.device), policy)[0]
