@@ -171,7 +171,8 @@ def long_pass(model, ids: list[int], n_prompt: int, policy) -> dict:
     return {"tpot_s": sum(times) / len(times), "ppl": ppl(list(nlls.values())), "steps": len(times),
             "device_tokens_peak": st["device_tokens_peak"], "kv_share_peak": st["device_tokens_peak"] / len(ids),
             "bytes_to_device": st["bytes_to_device"], "bytes_to_host": st["bytes_to_host"],
-            "device_bytes": st["device_bytes"], "host_bytes": st["host_bytes"]}
+            "device_bytes": st["device_bytes"], "host_bytes": st["host_bytes"],
+            "device_bytes_allocated": st.get("device_bytes_allocated"), "host_bytes_allocated": st.get("host_bytes_allocated")}
 
 
 def run_compare(model, tok, args, settings: dict) -> dict:
