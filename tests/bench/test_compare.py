@@ -102,3 +102,20 @@ def test_a_tiny_real_run_writes_tables_json_and_figures(smollm2, tmp_path, monke
     md = (out / "compare.md").read_text()
     assert "| policy | budget | niah_single_1 | mean | KV mean | KV peak | Mem% | TPOT x full |" in md
     assert (out / "accuracy.png").exists() and (out / "tpot_memory.png").exists()
+
+
+@pytest.mark.slow
+def test_quick_preset_streaming_loses_needles_full_kv_finds(smollm2, tmp_path, monkeypatch):
+    # the quick preset's prompts (1,024 tokens) with their needles before the last 64 tokens:
+    # a 64-token window cannot answer what full KV answers
+    import minikv.bench.compare as compare
+
+    monkeypatch.setattr(compare, "load_model", lambda args: smollm2)
+    argv = ["compare", "--policy", "streaming", "--budget", "64", "--tasks", "passkey", "niah_single_1",
+            "niah_multikey_2", "long", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    full, stream = json.loads((tmp_path / "compare.json").read_text())["rows"]
+    assert full["scores"] == {"passkey": 100.0, "niah_single_1": 100.0, "niah_multikey_2": 100.0}
+    assert full["mean"] == 100.0 and stream["mean"] < 50
+    assert stream["kv_peak_tokens"] <= 64 and stream["long"]["device_tokens_peak"] <= 64
+    assert stream["long"]["ppl"] > full["long"]["ppl"]
