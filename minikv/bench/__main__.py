@@ -29,6 +29,9 @@ def benchmarks() -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minikv.bench", description=__doc__)
+    parser.add_argument("--check", action="store_true",
+                        help="check the benchmark's flags (policy specs, device, model path, ...) and exit "
+                             "without loading the model or running anything")
     sub = parser.add_subparsers(dest="benchmark", required=True)
     for name, module in sorted(benchmarks().items()):
         doc = (module.__doc__ or name).strip().splitlines()[0]
@@ -40,6 +43,9 @@ def main(argv=None) -> int:
     check_common(args)
     if hasattr(args._module, "check"):
         args._module.check(args)
+    if args.check:
+        print(f"{args.benchmark}: flags are valid", file=sys.stderr)
+        return 0
     return args._module.run(args) or 0
 
 
