@@ -122,7 +122,7 @@ def run(args) -> int:
         st = policy.stats()
         row = {"method": label, "spec": spec, "ppl": ppl(nll), "ppl_short": ppl(nll[: args.short]),
                "ppl_sub": ppl(nll, sub) if sub else None, "tpot_s": tpot(ts),
-               "kv_mb": st["device_bytes"] / 2**20, "peak_tokens": st["device_tokens_peak"],
+               "kv_mb": st["device_bytes_allocated"] / 2**20, "peak_tokens": st["device_tokens_peak"],
                "prune_events": st.get("prune_events"), "drop_mean": st.get("dropped_per_event_mean"),
                "step_times_s": ts}
         for at in args.tpot_at:

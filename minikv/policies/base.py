@@ -11,8 +11,9 @@ hands them to `policy.layer(i)`:
     q (B, n_heads, T, D)   k, v (B, n_kv_heads, T, D)   positions (B, T) int64   out like q
 
 `out` must be exactly what full attention returns over the tokens the policy lets that layer
-see. A policy that renumbers positions (streaming) re-rotates q and k itself with
-`self.rope.rotate_by`. After the last layer of each forward the generation loop calls
+see. Before the layers run, the model asks `policy.rope_positions(positions)` where to rotate q
+and k: the absolute positions for every policy but one that renumbers (streaming), which answers
+with cache positions, so that a token is rotated once, where it will be read. After the last layer of each forward the generation loop calls
 `policy.end_step(logits)`; `policy.stats()` reports tiers and events at any time.
 
 Tiers: `device` is where attention runs (the model's device); `host` is CPU memory, pinned when
@@ -98,6 +99,21 @@ class LayerKV(ABC):
         """Token slots reserved on the device tier (preallocation counts)."""
         return self.device_tokens()
 
+    def allocated_host_tokens(self) -> int:
+        """Token slots reserved on the host tier (a preallocated host buffer counts in full)."""
+        return self.host_tokens()
+
+    def aux_bytes(self) -> tuple[int, int]:
+        """(device, host) bytes this layer holds besides K and V slots: digests, trees, index
+        tensors, staging buffers. Counted in the allocated figures of `Policy.stats`."""
+        return 0, 0
+
+    def attended_indices(self) -> torch.Tensor | None:
+        """(Hkv, n) int64: the absolute indices of the tokens the last decode step's attention
+        read, per KV head, -1 as padding; None when the layer reads every token. What attention
+        recall (the share of full attention's mass a policy keeps) is measured against."""
+        return None
+
 
 class Policy(ABC):
     """Base of all policies. Subclasses set `name`, take their parameters as keyword-only
@@ -150,6 +166,11 @@ class Policy(ABC):
     def bound(self) -> bool:
         return self.cfg is not None
 
+    def rope_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions (B, T) absolute -> the positions at which the model rotates this forward's
+        q and k. Every policy that keeps absolute positions returns them as they are."""
+        return positions
+
     # -- per step --------------------------------------------------------------------------
     def end_step(self, logits: torch.Tensor | None = None) -> StepAction | None:
         """Called by the generation loop after every forward (prefill included)."""
@@ -167,17 +188,27 @@ class Policy(ABC):
 
     def stats(self) -> dict:
         """Tiers (tokens per KV head, mean over layers; bytes summed over layers and the batch)
-        plus what the policy did. Subclasses extend with their own counters."""
+        plus what the policy did. Subclasses extend with their own counters.
+
+        Two byte figures per tier, the same way on both:
+          device_bytes, host_bytes          K and V of the tokens held there now (used)
+          device_bytes_allocated, ...       K and V slots reserved there (preallocated buffers
+                                            in full) plus the policy's aux_bytes (digests,
+                                            trees, staging buffers)"""
         per_layer_device = [layer.device_tokens() for layer in self.layers]
         per_layer_host = [layer.host_tokens() for layer in self.layers]
-        rows = self.batch_size
+        rows, tb = self.batch_size, self.token_bytes()
+        aux_device = sum(layer.aux_bytes()[0] for layer in self.layers)
+        aux_host = sum(layer.aux_bytes()[1] for layer in self.layers)
         return {
             "policy": self.name,
             "device_tokens": sum(per_layer_device) / len(self.layers),
             "host_tokens": sum(per_layer_host) / len(self.layers),
             "device_tokens_peak": max(self._peak_device_tokens, sum(per_layer_device) / len(self.layers)),
-            "device_bytes": rows * sum(l.allocated_device_tokens() for l in self.layers) * self.token_bytes(),
-            "host_bytes": rows * sum(per_layer_host) * self.token_bytes(),
+            "device_bytes": round(rows * sum(per_layer_device) * tb),
+            "host_bytes": round(rows * sum(per_layer_host) * tb),
+            "device_bytes_allocated": rows * sum(l.allocated_device_tokens() for l in self.layers) * tb + aux_device,
+            "host_bytes_allocated": rows * sum(l.allocated_host_tokens() for l in self.layers) * tb + aux_host,
             "bytes_to_host": self.tiers.bytes_to_host,
             "bytes_to_device": self.tiers.bytes_to_device,
             "device_tokens_per_layer": per_layer_device,
