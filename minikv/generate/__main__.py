@@ -25,9 +25,12 @@ def policy_epilog() -> str:
     """The policies and their parameters with defaults, for --help."""
     from ..policies.base import _REGISTRY, parameters
 
+    def show(value) -> str:
+        return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
     lines = ["policies (--policy NAME:key=value,...; the defaults shown):"]
     for name in sorted(_REGISTRY):
-        params = [f"{k}={'none' if p.default is None else p.default}" for k, p in parameters(_REGISTRY[name]).items()]
+        params = [f"{k}={show(p.default)}" for k, p in parameters(_REGISTRY[name]).items()]
         lines.append(f"  {name:<11} {','.join(params)}")
     lines.append("booleans take true/false, on/off, yes/no or 1/0.")
     return "\n".join(lines)
