@@ -201,3 +201,29 @@ def test_batch_results_carry_each_sequence_and_the_batch_once(loaded):
     assert batch.stats["new_tokens"] == short.stats["new_tokens"] + long.stats["new_tokens"]
     assert batch.stats["prompt_tokens"] == short.stats["prompt_tokens"] + long.stats["prompt_tokens"]
     assert batch.stats["tpot_s"] > 0 and batch.stats["policy"] == "full"
+
+
+def test_prefill_progress_counts_prompt_tokens(loaded):
+    model, tok = loaded
+    calls = []
+    r = minikv.generate(model, tok, "The capital of France is a city that", max_new_tokens=1,
+                        progress=lambda done, total: calls.append((done, total)))
+    n, layers = r.stats["prompt_tokens"], model.cfg.n_layers
+    assert len(calls) == layers and {total for _, total in calls} == {n}
+    assert [done for done, _ in calls] == [round(n * i / layers) for i in range(1, layers + 1)]
+
+
+def test_generate_help_lists_policies_defaults_and_the_same_max_new_tokens_as_the_api(capsys):
+    import inspect
+
+    from minikv.policies import available
+
+    with pytest.raises(SystemExit):
+        generate_main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    api_default = inspect.signature(minikv.generate).parameters["max_new_tokens"].default
+    assert f"(default: {api_default}, as minikv.generate)" in text
+    assert "(default: smollm2)" in text and "(default: full;" in text
+    for name in available():
+        assert re.search(rf"\b{name}\s+\S*backend=eager", text), name
+    assert "speculative=true" in text  # booleans shown as the words the specs take
