@@ -28,7 +28,8 @@ def benchmarks() -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minikv.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m minikv.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true",
                         help="check the benchmark's flags (policy specs, device, model path, ...) and exit "
                              "without loading the model or running anything")
