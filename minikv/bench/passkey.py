@@ -6,7 +6,10 @@
 The prompt (Mohtashami & Jaggi's landmark-attention test): an instruction, repeated filler
 sentences, the key line "The pass key is 12345. Remember it. 12345 is the pass key." at
 `depth` (0 = start, 1 = end) of the filler, then "What is the pass key? The pass key is". The
-filler is cut so the whole prompt has --lengths tokens. Greedy decoding of --new-tokens tokens;
+filler is cut so the whole prompt has --lengths tokens. `--filler pydoc` replaces the repeated
+sentences with natural text (the standard library's pydoc_data documentation, from its start):
+repetition makes every filler page look alike, which flatters page-level retrieval.
+Greedy decoding of --new-tokens tokens;
 a trial succeeds when the first 5-digit number in the answer is the key. Seeds draw the key.
 --budget N (repeatable) is given to every policy that takes a `budget` parameter and whose spec
 does not set one (full keeps everything); each budget makes its own rows.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import random
 import re
 import sys
+from functools import lru_cache
 
 from ..generate import generate
 from ..policies import make
@@ -39,7 +43,30 @@ def needle(key: str) -> str:
     return f" The pass key is {key}. Remember it. {key} is the pass key. "
 
 
-def build_prompt(tokenizer, length: int, depth: float, key: str) -> list[int]:
+FILLERS = ("repeat", "pydoc")
+
+
+@lru_cache(maxsize=4)
+def _pydoc_tokens(tokenizer) -> tuple[int, ...]:
+    from pydoc_data.topics import topics
+
+    return tuple(tokenizer.encode("\n\n".join(topics[k] for k in sorted(topics)), add_bos=False))
+
+
+def filler_tokens(tokenizer, n: int, filler: str = "repeat") -> list[int]:
+    """n filler tokens: the repeated sentences, or natural text (pydoc_data, ~100k tokens)."""
+    if filler == "repeat":
+        one = tokenizer.encode(FILLER, add_bos=False)
+        return (one * (n // len(one) + 1))[:n]
+    if filler == "pydoc":
+        text = _pydoc_tokens(tokenizer)
+        if n > len(text):
+            raise ValueError(f"the pydoc filler holds {len(text)} tokens, {n} were asked for")
+        return list(text[:n])
+    raise ValueError(f"filler must be one of {FILLERS}, got {filler!r}")
+
+
+def build_prompt(tokenizer, length: int, depth: float, key: str, filler: str = "repeat") -> list[int]:
     """Token ids of exactly `length` tokens with the key line at `depth` of the filler."""
     if not 0 <= depth <= 1:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
@@ -49,10 +76,9 @@ def build_prompt(tokenizer, length: int, depth: float, key: str) -> list[int]:
     if n_fill < 0:
         raise ValueError(f"length {length} is shorter than the prompt without filler "
                          f"({len(head) + len(tail) + len(line)} tokens)")
-    one = tokenizer.encode(FILLER, add_bos=False)
-    filler = (one * (n_fill // len(one) + 1))[:n_fill]
+    fill = filler_tokens(tokenizer, n_fill, filler)
     cut = round(depth * n_fill)
-    return head + filler[:cut] + line + filler[cut:] + tail
+    return head + fill[:cut] + line + fill[cut:] + tail
 
 
 def score(answer: str, key: str) -> bool:
@@ -92,6 +118,8 @@ def add_arguments(p) -> None:
     p.add_argument("--depths", type=float, nargs="+", default=[0.5], help="key depths in [0, 1] (0.5)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds drawing the key (0 1 2)")
     p.add_argument("--new-tokens", type=int, default=8, help="tokens generated per answer (8)")
+    p.add_argument("--filler", choices=FILLERS, default="repeat",
+                   help="repeat: the test's repeated sentences; pydoc: natural text (default repeat)")
     add_common_arguments(p)
 
 
@@ -136,7 +164,7 @@ def run(args) -> int:
                 hits = 0
                 for seed in args.seeds:
                     key = draw_key(seed)
-                    ids = build_prompt(tok, length, depth, key)
+                    ids = build_prompt(tok, length, depth, key, args.filler)
                     result = generate(model, tok, ids, policy=spec, max_new_tokens=args.new_tokens, stop_at_eos=False)
                     ok = score(result.text, key)
                     hits += ok

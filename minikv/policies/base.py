@@ -182,6 +182,11 @@ class Policy(ABC):
     def _mean(self, fn) -> float:
         return sum(fn(layer) for layer in self.layers) / max(len(self.layers), 1)
 
+    def aux_bytes(self) -> tuple[int, int]:
+        """(device, host) bytes of buffers the policy shares between its layers (scratch,
+        staging). Counted in the allocated figures of `stats`."""
+        return 0, 0
+
     def token_bytes(self) -> int:
         """Bytes of K and V of one token in one layer, all KV heads."""
         return 2 * self.cfg.n_kv_heads * self.cfg.head_dim * torch.empty((), dtype=self.dtype).element_size()
@@ -194,12 +199,13 @@ class Policy(ABC):
           device_bytes, host_bytes          K and V of the tokens held there now (used)
           device_bytes_allocated, ...       K and V slots reserved there (preallocated buffers
                                             in full) plus the policy's aux_bytes (digests,
-                                            trees, staging buffers)"""
+                                            trees, staging buffers, shared scratch)"""
         per_layer_device = [layer.device_tokens() for layer in self.layers]
         per_layer_host = [layer.host_tokens() for layer in self.layers]
         rows, tb = self.batch_size, self.token_bytes()
-        aux_device = sum(layer.aux_bytes()[0] for layer in self.layers)
-        aux_host = sum(layer.aux_bytes()[1] for layer in self.layers)
+        aux_device, aux_host = self.aux_bytes()
+        aux_device += sum(layer.aux_bytes()[0] for layer in self.layers)
+        aux_host += sum(layer.aux_bytes()[1] for layer in self.layers)
         return {
             "policy": self.name,
             "device_tokens": sum(per_layer_device) / len(self.layers),

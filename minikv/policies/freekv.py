@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from ..kernels.page_scores import GROUP_REDUCES, page_scores
 from .base import LayerKV, Policy, dense_attention, register
 from .full import FullLayer
-from .paged import DIGESTS, PagedKV
+from .paged import DIGESTS, PagedKV, Staging
 
 
 class FreeKVLayer(LayerKV):
@@ -61,7 +61,8 @@ class FreeKVLayer(LayerKV):
         self.K = policy.n_select
         self.kv = PagedKV(n_kv=cfg.n_kv_heads, head_dim=cfg.head_dim, page_size=P, max_len=policy.max_len,
                           n_sink=policy.sink // P, n_select=self.K, n_window=policy.window // P + 1,
-                          dtype=policy.dtype, tiers=policy.tiers, digest=policy.digest, backend=policy.backend)
+                          dtype=policy.dtype, tiers=policy.tiers, digest=policy.digest, backend=policy.backend,
+                          staging=policy.staging)
         self.G = cfg.n_heads // cfg.n_kv_heads
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.prev_q = None  # (Hq, D) the previous step's query, float32, each head of unit norm
@@ -222,7 +223,13 @@ class FreeKV(Policy):
         self.t_select = self.t_recall = 0.0
 
     def make_layer(self, index: int) -> LayerKV:
+        if index == 0:  # one pair of staging buffers for all layers (they recall one after another)
+            self.staging = Staging(self.cfg.n_kv_heads * self.n_select, self.page_size, self.cfg.head_dim,
+                                   self.dtype, self.tiers)
         return FullLayer(self, index) if index < self.skip_layers else FreeKVLayer(self, index)
+
+    def aux_bytes(self) -> tuple[int, int]:
+        return self.staging.nbytes()
 
     def stats(self) -> dict:
         s = super().stats()

@@ -67,12 +67,35 @@ def page_digest(k: torch.Tensor, kind: str = "minmax") -> tuple[torch.Tensor, to
     raise ValueError(f"digest must be one of {DIGESTS}, got {kind!r}")
 
 
+class Staging:
+    """The two staging buffers recalls use in turn: pinned host and device, (n, 2, P, D) each.
+
+    One per policy, not per layer: layers run one after another, and a buffer is refilled only
+    after the host has waited for the copy that last read it (`free`, on CUDA), whichever layer
+    issued that copy. Per layer they would cost as much memory as the selected pages themselves."""
+
+    def __init__(self, n: int, page_size: int, head_dim: int, dtype: torch.dtype, tiers):
+        shape = (max(1, n), 2, page_size, head_dim)
+        self.host = [torch.empty(shape, dtype=dtype, pin_memory=tiers.pin) for _ in range(2)]
+        self.dev = [torch.empty(shape, dtype=dtype, device=tiers.device) for _ in range(2)]
+        self.free = None  # CUDA events, one per buffer: recorded after the copy that reads it
+        self.turn = 0
+
+    def take(self) -> int:
+        """The buffer to fill next; the other one may still be in flight."""
+        self.turn ^= 1
+        return self.turn ^ 1
+
+    def nbytes(self) -> tuple[int, int]:
+        return sum(t.numel() * t.element_size() for t in self.dev), sum(t.numel() * t.element_size() for t in self.host)
+
+
 class PagedKV:
     """Paged KV of one layer for one sequence (batch 1). See the module docstring."""
 
     def __init__(self, *, n_kv: int, head_dim: int, page_size: int, max_len: int, n_sink: int, n_select: int,
                  n_window: int, dtype: torch.dtype, tiers, digest: str = "arkvale", backend: str = "eager",
-                 streams=None):
+                 staging: Staging | None = None, streams=None):
         if n_window < 1:
             raise ValueError(f"n_window must be >= 1 (the partly filled last page is always attended), got {n_window}")
         if digest not in DIGESTS:
@@ -99,10 +122,8 @@ class PagedKV:
         self.n_cand = 0  # pages offloaded so far = candidates
         self.n_cand_tensor = torch.zeros(1, dtype=torch.int64, device=dev)  # the same, as page_scores' n_valid
         self.pages_recalled = 0
-        self._buf = 0
-        n_stage = max(1, H * n_select)  # one recall moves at most every selected slot of every head
-        self.stage_host = [torch.empty(n_stage, 2, P, D, dtype=dtype, pin_memory=tiers.pin) for _ in range(2)]
-        self.stage_dev = [torch.empty(n_stage, 2, P, D, dtype=dtype, device=dev) for _ in range(2)]
+        # one recall moves at most every selected slot of every head; policies share one Staging
+        self.staging = staging if staging is not None else Staging(H * n_select, P, D, dtype, tiers)
         self.use_streams(streams if streams is not None else (CudaStreams(dev) if dev.type == "cuda" else None))
         self.last_read = (0, 0, [[-1] * n_select for _ in range(H)])  # what the last attend() read
 
@@ -112,7 +133,8 @@ class PagedKV:
         self.streams = streams
         if streams is not None:
             self.side = streams.stream()
-            self.buf_free = [streams.event(), streams.event()]
+            if self.staging.free is None:
+                self.staging.free = [streams.event(), streams.event()]
             self.ready = streams.event()  # recorded after every recall: the end of the chain
 
     # -- where pages live --------------------------------------------------------------------
@@ -244,29 +266,29 @@ class PagedKV:
         # flat (n,) rows of host viewed as (max_pages * Hkv, 2, P, D): gather the blocks into a
         # staging buffer (one contiguous host read per block), copy it to the device in one
         # transfer, then the HND -> NHD kernel scatters the blocks into their slots.
-        n, buf = flat.numel(), self._buf
-        self._buf ^= 1  # two staging buffers in turn: the next gather need not wait for this copy
+        n, stage = flat.numel(), self.staging
+        buf = stage.take()  # two staging buffers in turn: the next gather need not wait for this copy
         host_rows = self.host.view(-1, 2, self.P, self.D)
         if self.streams is None:
-            torch.index_select(host_rows, 0, flat, out=self.stage_host[buf][:n])
-            blocks = self.stage_dev[buf][:n]
-            blocks.copy_(self.stage_host[buf][:n])
+            torch.index_select(host_rows, 0, flat, out=stage.host[buf][:n])
+            blocks = stage.dev[buf][:n]
+            blocks.copy_(stage.host[buf][:n])
             self.tiers.bytes_to_device += blocks.numel() * blocks.element_size()
             hnd_to_nhd(blocks, self.k_pages, self.v_pages, slots, heads, backend=self.backend)
             return
         S = self.streams
-        self.buf_free[buf].synchronize()  # the transfer that last read this pinned buffer is done
-        torch.index_select(host_rows, 0, flat, out=self.stage_host[buf][:n])
+        stage.free[buf].synchronize()  # the copy that last read this buffer (any layer's) is done
+        torch.index_select(host_rows, 0, flat, out=stage.host[buf][:n])
         main = S.current()
         stream = self.side if background else main
         stream.wait_stream(main)  # selection, and this step's attention over the old slots, first
         stream.wait_event(self.ready)  # the previous recall into these slots, on whichever stream
         with S.use(stream):
-            blocks = self.stage_dev[buf][:n]
-            blocks.copy_(self.stage_host[buf][:n], non_blocking=True)
+            blocks = stage.dev[buf][:n]
+            blocks.copy_(stage.host[buf][:n], non_blocking=True)
             hnd_to_nhd(blocks, self.k_pages, self.v_pages, slots.to(blocks.device, non_blocking=True),
                        heads.to(blocks.device, non_blocking=True), backend=self.backend)
-            self.buf_free[buf].record(stream)
+            stage.free[buf].record(stream)
             self.ready.record(stream)
         self.tiers.bytes_to_device += n * 2 * self.P * self.D * blocks.element_size()
 
@@ -298,10 +320,9 @@ class PagedKV:
         return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int64)
 
     def aux_bytes(self) -> tuple[int, int]:
-        """(device, host) bytes besides the K/V slots: digests, page table and lengths, staging."""
-        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)
-        device = nbytes([self.lo, self.hi, self.page_table, self.page_lens, *self.stage_dev])
-        return device, nbytes(self.stage_host)
+        """(device, host) bytes besides the K/V slots: digests, page table and lengths (the
+        staging buffers are the policy's: `Staging.nbytes`)."""
+        return sum(t.numel() * t.element_size() for t in (self.lo, self.hi, self.page_table, self.page_lens)), 0
 
     def host_page(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Candidate c's keys and values as stored on the host: (Hkv, P, D) each."""

@@ -170,6 +170,14 @@ class SoftFreezeLayer(LayerKV):
     def allocated_device_tokens(self) -> int:
         return self.cap
 
+    def allocated_host_tokens(self) -> int:
+        return self.kv_host.shape[2]  # preallocated for max_len tokens: a frozen token never waits
+
+    def aux_bytes(self) -> tuple[int, int]:
+        # per-token bookkeeping on the device: counts, timers, freeze steps, history ring, slot maps
+        parts = [self.count, self.thaw_at, self.frozen_at, self.seen, self.slot_tok, self.slot_count]
+        return sum(t.numel() * t.element_size() for t in parts if t is not None), 0
+
     # -- Algorithm 1 -----------------------------------------------------------------------
     def schedule(self, s: torch.Tensor, now: int) -> None:
         """Lines 3-15 of Algorithm 1 at step `now`, given s (n_act,) over the active slots."""

@@ -290,6 +290,9 @@ class Streaming(Policy):
             self.scratch = torch.empty(shape, dtype=self.dtype, device=self.tiers.device)
         return StreamingLayer(self, index)
 
+    def aux_bytes(self) -> tuple[int, int]:
+        return self.scratch.numel() * self.scratch.element_size(), 0  # the compaction scratch, shared
+
     def stats(self) -> dict:
         out = super().stats()
         first = self.layers[0]  # every layer prunes at the same steps: layer 0 speaks for all
