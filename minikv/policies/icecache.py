@@ -44,7 +44,7 @@ import torch
 from .base import LayerKV, Policy, dense_attention, register
 from .dci import DCIForest, first_k_distinct, random_direction
 from .full import FullLayer
-from .paged import PagedKV
+from .paged import PagedKV, Staging
 
 
 class SemanticPages(PagedKV):
@@ -132,7 +132,8 @@ class IceCacheLayer(LayerKV):
         self.kv = SemanticPages(forest=self.forest, owner=anchor is None, n_kv=cfg.n_kv_heads,
                                 head_dim=cfg.head_dim, page_size=P, max_len=policy.max_len,
                                 n_sink=policy.sink // P, n_select=self.K, n_window=policy.window // P,
-                                dtype=policy.dtype, tiers=policy.tiers, backend=policy.backend)
+                                dtype=policy.dtype, tiers=policy.tiers, backend=policy.backend,
+                                staging=policy.staging)
         self.G = cfg.n_heads // cfg.n_kv_heads
         self.kv_heads = torch.arange(cfg.n_kv_heads)
         self.selection = None  # (Hkv, K) page ids read by the last decode step, -1 pads
@@ -217,8 +218,8 @@ class IceCacheLayer(LayerKV):
     def aux_bytes(self) -> tuple[int, int]:
         kv = self.kv
         nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-        device = nbytes([kv.page_table, kv.page_lens, *kv.stage_dev])
-        host = nbytes([kv.fill, *kv.stage_host]) + (self.forest.nbytes() if self.anchor is None else 0)
+        device = nbytes([kv.page_table, kv.page_lens])  # (the staging buffers are the policy's)
+        host = nbytes([kv.fill]) + (self.forest.nbytes() if self.anchor is None else 0)
         return device, host
 
 
@@ -279,6 +280,9 @@ class IceCache(Policy):
         return index >= self.skip_layers and (index - self.skip_layers) % self.reuse_every == 0
 
     def make_layer(self, index: int) -> LayerKV:
+        if index == 0:  # one pair of recall staging buffers for all layers (they run in turn)
+            self.staging = Staging(self.cfg.n_kv_heads * self.n_select, self.page_size, self.cfg.head_dim,
+                                   self.dtype, self.tiers)
         if index < self.skip_layers:
             return FullLayer(self, index)
         first = index - (index - self.skip_layers) % self.reuse_every  # the anchor at or before it
@@ -286,6 +290,9 @@ class IceCache(Policy):
         if first == index:
             self._anchor_of[index] = layer
         return layer
+
+    def aux_bytes(self) -> tuple[int, int]:
+        return self.staging.nbytes()
 
     def end_step(self, logits=None):
         now = time.perf_counter()

@@ -15,12 +15,13 @@ class CharTokenizer:
         return "".join(chr(i) for i in ids if i != 2)
 
 
+@pytest.mark.parametrize("filler", ["repeat", "pydoc"])
 @pytest.mark.parametrize("length", [400, 1001])
 @pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
-def test_prompt_has_the_length_and_the_key_at_its_depth(length, depth):
+def test_prompt_has_the_length_and_the_key_at_its_depth(length, depth, filler):
     tok = CharTokenizer()
     key = draw_key(3)
-    ids = build_prompt(tok, length, depth, key)
+    ids = build_prompt(tok, length, depth, key, filler)
     assert len(ids) == length
     text = tok.decode(ids)
     assert text.count(key) == 2 and text.endswith("The pass key is")
@@ -57,6 +58,14 @@ def test_budget_goes_only_where_it_is_a_parameter():
     assert with_budget("streaming:budget=100", 256) == "streaming:budget=100"
     assert with_budget("full", 256) == "full"
     assert with_budget("streaming:R=1", None) == "streaming:R=1"
+
+
+def test_pydoc_filler_is_natural_text_and_unknown_fillers_are_refused():
+    tok = CharTokenizer()
+    text = tok.decode(build_prompt(tok, 3000, 0.5, draw_key(1), "pydoc"))
+    assert "The grass is green" not in text and len(set(text.split())) > 200  # not a repeated sentence
+    with pytest.raises(ValueError, match="filler must be one of"):
+        build_prompt(tok, 400, 0.5, draw_key(1), "lorem")
 
 
 def test_shared_prefill_answers_as_separate_runs(smollm2):
