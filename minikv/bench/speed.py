@@ -56,7 +56,7 @@ def summarize(runs: list[dict], new_tokens: int) -> dict:
 
 def lockstep_runs(model, ids: list[int], specs: list[str], new_tokens: int) -> dict[str, dict]:
     """One shared prefill, then greedy decoding of every policy in lockstep -> {spec: stats}
-    with tpot_s the mean step time (and the policy's own stats)."""
+    with tpot_s the mean step time, token_ids the new_tokens tokens, and the policy's own stats."""
     from .passkey import SharedPrefill
 
     policies = [make(s).bind(model.cfg, device=model.device, dtype=model.dtype, max_len=len(ids) + new_tokens)
@@ -65,6 +65,7 @@ def lockstep_runs(model, ids: list[int], specs: list[str], new_tokens: int) -> d
     logits = model(x, policy=SharedPrefill(policies, specs), logits_at=torch.tensor([len(ids) - 1], device=model.device))
     token = [logits.argmax(-1)] * len(specs)
     times = [[] for _ in specs]
+    produced = [[int(token[0])] for _ in specs]
     for step in range(new_tokens - 1):
         position = torch.tensor([len(ids) + step], device=model.device)
         for j, policy in enumerate(policies):
@@ -72,10 +73,11 @@ def lockstep_runs(model, ids: list[int], specs: list[str], new_tokens: int) -> d
             out = decode_one_token(model, token[j], position, policy)
             times[j].append(time.perf_counter() - t0)
             token[j] = out.argmax(-1)
+            produced[j].append(int(token[j]))
     found = {}
-    for spec, policy, ts in zip(specs, policies, times):
+    for spec, policy, ts, toks in zip(specs, policies, times, produced):
         stats = policy.stats()
-        stats.update(ttft_s=float("nan"), tpot_s=sum(ts) / len(ts))
+        stats.update(ttft_s=float("nan"), tpot_s=sum(ts) / len(ts), token_ids=toks)
         found[spec] = stats
     return found
 
