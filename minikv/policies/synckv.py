@@ -279,7 +279,10 @@ class SyncKVLayer(LayerKV):
         return torch.tensor([rows[h] + [-1] * (n - len(rows[h])) for h in range(self.cfg.n_kv_heads)])
 
     def nr_read(self) -> int:
-        return sum(len(self.read_tokens(c)) for c in self.nr_cluster)
+        """Tokens the NR-heads read, summed (counted, not listed: end_step asks every step)."""
+        n_window = len(self.window_tokens())
+        per_cluster = [len(s) + sum(t >= 0 for t in d) + n_window for s, d in zip(self.static, self.dynamic)]
+        return sum(per_cluster[c] for c in self.nr_cluster)
 
     def device_tokens(self) -> float:
         return (len(self.r_heads) * self.length + self.nr_read()) / self.cfg.n_kv_heads
