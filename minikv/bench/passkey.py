@@ -91,22 +91,25 @@ def run(args) -> int:
     for spec in specs:
         for length in args.lengths:
             for depth in args.depths:
-                hits = 0
+                hits, mem = 0, []
                 for seed in args.seeds:
                     key = draw_key(seed)
                     ids = build_prompt(tok, length, depth, key)
                     result = generate(model, tok, ids, policy=spec, max_new_tokens=args.new_tokens, stop_at_eos=False)
                     ok = score(result.text, key)
                     hits += ok
+                    if "mem_percent" in result.stats:  # policies that report it (synckv)
+                        mem.append(result.stats["mem_percent"])
                     trials.append({"policy": spec, "length": length, "depth": depth, "seed": seed, "key": key,
                                    "answer": result.text, "found": ok,
                                    "device_tokens_peak": result.stats["device_tokens_peak"]})
                     print(f"  {spec} length={length} depth={depth} seed={seed}: key {key}, "
                           f"answer {result.text!r} -> {'found' if ok else 'missed'}", flush=True)
                 rows.append({"policy": spec, "length": length, "depth": depth, "found": hits,
-                             "trials": len(args.seeds), "accuracy": hits / len(args.seeds)})
+                             "trials": len(args.seeds), "accuracy": hits / len(args.seeds),
+                             "mem_percent": sum(mem) / len(mem) if mem else None})
     print_table(rows, [("policy", "policy", ""), ("length", "length", "d"), ("depth", "depth", ".2f"),
-                       ("found", "found", "d"), ("trials", "trials", "d"), ("accuracy", "accuracy", ".2f")],
+                       ("found", "found", "d"), ("trials", "trials", "d"), ("accuracy", "accuracy", ".2f"), ("Mem%", "mem_percent", ".1f")],
                 title=f"\npasskey retrieval, {args.model}, greedy, {args.new_tokens} new tokens")
     write_json(args.json, {"benchmark": "passkey", "model": args.model, "rows": rows, "trials": trials})
     return 0

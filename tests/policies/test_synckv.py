@@ -39,6 +39,8 @@ def tiny_clusters(tmp_path_factory):
 def expected_selection(q1, keys, layer, k_top, n_cand, static):
     """Eqs. 5-6 from scratch: each R-head's attention over all its keys (its lse), max-pooled over
     its group, top k_top among the first n_cand tokens not in its cluster's static set."""
+    if k_top == 0:  # rho = 1: there is no dynamic set
+        return [[] for _ in layer.r_heads]
     G = TINY.n_groups
     rq = [h * G + g for h in layer.r_heads for g in range(G)]
     kr = keys[:, layer.r_heads]
@@ -141,7 +143,7 @@ def check_device_and_host(layer, keys, values, T, W):
     assert torch.equal(layer.kr[0, :, :L], keys[0, layer.r_heads])
 
 
-@settings(max_examples=25)
+@settings(max_examples=12)
 @given(case=synckv_cases())
 def test_anticipation_every_m_steps_suspension_reads_the_last_choice_and_moves_nothing(case, tiny_clusters):
     policy = run_against_oracle(case, tiny_clusters)
@@ -152,7 +154,7 @@ def test_anticipation_every_m_steps_suspension_reads_the_last_choice_and_moves_n
         assert s["bytes_to_host"] == 0 and s["bytes_to_device"] == 0 and s["mem_percent"] == 100.0
 
 
-@settings(max_examples=3)
+@settings(max_examples=2)
 @given(case=synckv_cases())
 def test_triton_backend_matches_oracle(case, tiny_clusters):
     case.update(steps=min(case["steps"], 5), T=min(case["T"], 20))

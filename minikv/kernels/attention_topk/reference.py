@@ -47,8 +47,24 @@ def attention_topk(q, k, lse, n_valid, keep, k_top, scale=None):
         candidate = candidate & keep.to(q.device)
     # a fill, not a product: garbage (NaN) past n_valid never reaches the sort
     scores = pooled.masked_fill(~candidate, float("-inf"))
-    picked, order = torch.sort(scores, dim=-1, descending=True, stable=True)
-    index = order[..., :k_top].masked_fill(picked[..., :k_top] == float("-inf"), -1)
-    if index.shape[-1] < k_top:  # fewer slots than k_top
-        index = torch.nn.functional.pad(index, (0, k_top - index.shape[-1]), value=-1)
-    return scores, index
+    return scores, stable_topk(scores, k_top)
+
+
+def stable_topk(scores, k_top):
+    """The first k_top of a stable descending sort of scores (B, H, L) (equal scores: the lower
+    token first), -1 where the score is -inf or past L. torch.topk breaks ties arbitrarily and a
+    full sort costs O(L log L) every anticipation, so: the k-th largest value by topk, every token
+    above it, and of those equal to it the lowest-numbered ones; then a stable sort of just those."""
+    B, H, L = scores.shape
+    k = min(k_top, L)
+    kth = torch.topk(scores, k, dim=-1).values[..., -1:]  # (B, H, 1)
+    above = scores > kth
+    tied = scores == kth
+    need = k - above.sum(-1, keepdim=True)  # how many of the tied tokens still fit
+    take = above | (tied & (tied.cumsum(-1) <= need))  # exactly k per row, in token order
+    tokens = take.nonzero()[:, 2].view(B, H, k)
+    picked, order = torch.sort(scores.gather(-1, tokens), dim=-1, descending=True, stable=True)
+    index = tokens.gather(-1, order).masked_fill_(picked == float("-inf"), -1)
+    if k < k_top:  # fewer tokens than k_top
+        index = torch.nn.functional.pad(index, (0, k_top - k), value=-1)
+    return index
