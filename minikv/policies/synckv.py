@@ -47,6 +47,7 @@ from ..kernels.attention_topk import attention_topk
 from ..kernels.decode_attention import decode_attention
 from ..kernels.gathered_attention import gathered_attention
 from .base import LayerKV, Policy, dense_attention, register
+from .synckv_bank import ContextBank
 from .synckv_clusters import find_clustering
 
 
@@ -66,26 +67,15 @@ class SyncKVLayer(LayerKV):
         self.kr = torch.empty(1, Hr, n, D, dtype=policy.dtype, device=dev)  # R-heads: full KV, device
         self.vr = torch.empty_like(self.kr)
         self.keep = torch.ones(1, Hr, n, dtype=torch.bool, device=dev)  # False: static, never re-selected
-        self.offload = policy.offload and Hn > 0
-        if self.offload:
-            pin = policy.tiers.pin
-            self.bank_k = torch.empty(Hn, n, D, dtype=policy.dtype, pin_memory=pin)  # host: the context bank
-            self.bank_v = torch.empty_like(self.bank_k, pin_memory=pin)
-            # device slots per NR-head: [0, ks) static, [ks, ks + kd) dynamic, then the window ring
-            self.store_k = torch.empty(1, Hn, policy.budget, D, dtype=policy.dtype, device=dev)
-            self.stage_host = torch.empty(2, max(1, Hn * self.kd), D, dtype=policy.dtype, pin_memory=pin)
-            self.stage_dev = torch.empty(2, max(1, Hn * self.kd), D, dtype=policy.dtype, device=dev)
-        else:  # w/o initialization: NR-heads keep full KV on the device, slots = token indices
-            self.store_k = torch.empty(1, Hn, n, D, dtype=policy.dtype, device=dev)
-        self.store_v = torch.empty_like(self.store_k)
+        self.offload = policy.offload and Hn > 0  # False: "w/o initialization", slot = token index
+        # NR-heads' device slots (with offloading): [0, ks) static, [ks, ks + kd) dynamic, window ring
+        self.bank = ContextBank(n_heads=Hn, max_len=n, slots=policy.budget, head_dim=D, dtype=policy.dtype,
+                                tiers=policy.tiers, offload=self.offload, stage_rows=Hn * self.kd)
         self.static = [[] for _ in self.clusters]  # per cluster: token indices, slot order
         self.dynamic = [[-1] * self.kd for _ in self.clusters]  # per cluster: token held by each dynamic slot
         self.read_dynamic = self.dynamic
         self.T = self.length = self.step = 0
         self.anticipations = self.fetched = 0  # tokens copied host -> device, per NR-head
-        self.cuda = dev.type == "cuda"
-        if self.cuda:
-            self.side, self.ready = torch.cuda.Stream(device=dev), torch.cuda.Event()
 
     # -- where tokens are ----------------------------------------------------------------------
     def window_tokens(self) -> range:
@@ -128,13 +118,7 @@ class SyncKVLayer(LayerKV):
         self.vr[:, :, :T] = v[:, self.r_heads]
         if self.nr_heads:
             k_nr, v_nr = k[0, self.nr_heads], v[0, self.nr_heads]  # (Hn, T, D)
-            if self.offload:  # Algorithm 1 line 12: the NR-heads' KV goes to the bank whole
-                self.bank_k[:, :T].copy_(k_nr)
-                self.bank_v[:, :T].copy_(v_nr)
-                self.policy.tiers.bytes_to_host += 2 * k_nr.numel() * k_nr.element_size()
-            else:
-                self.store_k[0, :, :T] = k_nr
-                self.store_v[0, :, :T] = v_nr
+            self.bank.write_prompt(k_nr, v_nr)  # Algorithm 1 line 12: the NR-heads' KV goes whole
             self.initialize(q[:, :, -1], k_nr, v_nr)
         return out
 
@@ -155,9 +139,7 @@ class SyncKVLayer(LayerKV):
         if self.offload:  # the NR-heads keep I_0 on the device (Sec. 4.2): copied before it leaves
             for j, c in enumerate(self.nr_cluster):
                 tokens = self.static[c] + [t for t in self.dynamic[c] if t >= 0]
-                slots = [self.slot_of(t, c) for t in tokens]
-                self.store_k[0, j, slots] = k_nr[j, tokens]
-                self.store_v[0, j, slots] = v_nr[j, tokens]
+                self.bank.keep_on_device(j, [self.slot_of(t, c) for t in tokens], k_nr[j, tokens], v_nr[j, tokens])
 
     def decode(self, q, k, v, positions):
         # q (1, Hq, 1, D); k, v (1, Hkv, 1, D)
@@ -171,10 +153,9 @@ class SyncKVLayer(LayerKV):
                                         return_lse=True, backend=backend)
         out[:, self.rq] = out_r
         if self.nr_heads:
-            if self.cuda:
-                torch.cuda.current_stream().wait_event(self.ready)  # the last fetch has landed
+            self.bank.wait()  # the last fetch has landed
             # line 24: NR-heads over static + dynamic + window, each head its own slots
-            out[:, self.nq] = gathered_attention(q1[:, self.nq], self.store_k, self.store_v, self.nr_index(),
+            out[:, self.nq] = gathered_attention(q1[:, self.nq], self.bank.store_k, self.bank.store_v, self.nr_index(),
                                                  backend=backend)
         self.step += 1
         self.read_dynamic = list(self.dynamic)  # what this step read (anticipate replaces the rows)
@@ -192,18 +173,11 @@ class SyncKVLayer(LayerKV):
         self.vr[0, :, p] = v[0, self.r_heads, 0]
         if self.nr_heads:
             k_nr, v_nr = k[0, self.nr_heads, 0], v[0, self.nr_heads, 0]  # (Hn, D)
-            if self.offload:
-                slot = self.ks + self.kd + (p - self.T) % self.W
+            if self.offload:  # the window ring; the token leaving the window joins the bank
                 old = p - self.W
-                if old >= self.T:  # the token leaving the window joins the bank
-                    self.bank_k[:, old].copy_(self.store_k[0, :, slot])
-                    self.bank_v[:, old].copy_(self.store_v[0, :, slot])
-                    self.policy.tiers.bytes_to_host += 2 * k_nr.numel() * k_nr.element_size()
-                self.store_k[0, :, slot] = k_nr
-                self.store_v[0, :, slot] = v_nr
+                self.bank.push(self.ks + self.kd + (p - self.T) % self.W, k_nr, v_nr, old if old >= self.T else None)
             else:
-                self.store_k[0, :, p] = k_nr
-                self.store_v[0, :, p] = v_nr
+                self.bank.push(p, k_nr, v_nr)
         self.length = p + 1
 
     def anticipate(self, q_r, lse_r):
@@ -233,38 +207,10 @@ class SyncKVLayer(LayerKV):
             self.fetch(moves)
 
     def fetch(self, moves):
-        """Eq. 7: copy the bank's rows of the moved tokens into the dynamic slots of every NR-head
-        of their cluster: one host gather, one host -> device copy, one scatter."""
-        Hn, n_max, budget = len(self.nr_heads), self.bank_k.shape[1], self.store_k.shape[2]
-        src, dst = [], []
-        for j, c in enumerate(self.nr_cluster):
-            for cc, slot, t in moves:
-                if cc == c:
-                    src.append(j * n_max + t)
-                    dst.append(j * budget + self.ks + slot)
-        src, dst, m = torch.tensor(src), torch.tensor(dst), len(src)
-        if self.cuda:
-            self.ready.synchronize()  # the last fetch has finished reading the staging buffer
-        stage = self.stage_host[:, :m]
-        torch.index_select(self.bank_k.view(-1, self.bank_k.shape[2]), 0, src, out=stage[0])
-        torch.index_select(self.bank_v.view(-1, self.bank_v.shape[2]), 0, src, out=stage[1])
-        self.fetched += m
-        self.policy.tiers.bytes_to_device += stage.numel() * stage.element_size()
-        if not self.cuda:
-            self._scatter(stage, dst)
-            return
-        self.side.wait_stream(torch.cuda.current_stream())  # this step's reads of the slots first
-        with torch.cuda.stream(self.side):  # overlaps the rest of the forward (Sec. 4.5)
-            self._scatter(stage, dst)
-            self.ready.record(self.side)
-
-    def _scatter(self, stage, dst):
-        # stage (2, m, D) host rows -> device staging -> their slots of the flat (Hn * slots, D) store
-        blocks = self.stage_dev[:, :stage.shape[1]]
-        blocks.copy_(stage, non_blocking=self.cuda)
-        dst = dst.to(blocks.device, non_blocking=self.cuda)
-        self.store_k.view(-1, self.store_k.shape[3]).index_copy_(0, dst, blocks[0])
-        self.store_v.view(-1, self.store_v.shape[3]).index_copy_(0, dst, blocks[1])
+        """Eq. 7: every NR-head of a moved token's cluster gets the bank's row in the chosen slot."""
+        rows = [(j, t, self.ks + slot) for j, c in enumerate(self.nr_cluster) for cc, slot, t in moves if cc == c]
+        self.fetched += len(rows)
+        self.bank.fetch(rows)
 
     # -- what was read, and where it lives --------------------------------------------------------
     def attended_indices(self) -> torch.Tensor | None:
@@ -297,18 +243,14 @@ class SyncKVLayer(LayerKV):
 
     def allocated_device_tokens(self) -> float:
         Hr, Hn, Hkv = len(self.r_heads), len(self.nr_heads), self.cfg.n_kv_heads
-        return (Hr * self.kr.shape[2] + Hn * self.store_k.shape[2]) / Hkv
+        return (Hr * self.kr.shape[2] + Hn * self.bank.store_k.shape[2]) / Hkv
 
     def allocated_host_tokens(self) -> float:
         return len(self.nr_heads) * self.kr.shape[2] / self.cfg.n_kv_heads if self.offload else 0
 
     def aux_bytes(self) -> tuple[int, int]:
-        dev = self.keep.numel() * self.keep.element_size()
-        host = 0
-        if self.offload:
-            dev += self.stage_dev.numel() * self.stage_dev.element_size()
-            host += self.stage_host.numel() * self.stage_host.element_size()
-        return dev, host
+        dev, host = self.bank.staging_bytes()
+        return dev + self.keep.numel() * self.keep.element_size(), host
 
 
 @register

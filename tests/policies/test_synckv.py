@@ -135,11 +135,11 @@ def check_device_and_host(layer, keys, values, T, W):
     for j, (h, c) in enumerate(zip(layer.nr_heads, layer.nr_cluster)):
         for t in layer.read_tokens(c):
             s = layer.slot_of(t, c)
-            assert torch.equal(layer.store_k[0, j, s], keys[0, h, t]) and torch.equal(layer.store_v[0, j, s], values[0, h, t])
+            assert torch.equal(layer.bank.store_k[0, j, s], keys[0, h, t]) and torch.equal(layer.bank.store_v[0, j, s], values[0, h, t])
         if layer.offload:
             banked = max(T, L - W)
-            assert torch.equal(layer.bank_k[j, :banked], keys[0, h, :banked])
-            assert torch.equal(layer.bank_v[j, :banked], values[0, h, :banked])
+            assert torch.equal(layer.bank.bank_k[j, :banked], keys[0, h, :banked])
+            assert torch.equal(layer.bank.bank_v[j, :banked], values[0, h, :banked])
     assert torch.equal(layer.kr[0, :, :L], keys[0, layer.r_heads])
 
 
