@@ -47,19 +47,15 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, args, message):
 
 @pytest.mark.slow
 def test_shipped_file_is_what_the_command_produces(tmp_path):
-    """Re-run on a small corpus (the shipped file's first 4 documents, 300 tokens each, its steps
-    and k) twice: byte-for-byte the same file (determinism), and its clusters those of the
-    shipped file for most layers (App. B.1's robustness: a different corpus moves a few heads)."""
+    """Re-run the command on the shipped file's own corpus (its documents, tokens per document,
+    steps and k: 3 x 1,000 tokens x 200 steps, a few minutes of one core): the same model
+    identity, the same similarity to 1e-6 and the same clusters and R-heads in every layer, for
+    every N_r. So the shipped file is reproducible, and the command deterministic."""
     shipped = json.loads(SHIPPED.read_text())
-    corpus = shipped["corpus"]
-    extra = ["--docs", "4", "--doc-tokens", "300", "--steps", str(corpus["steps"]), "--topk", str(corpus["topk"])]
-    a = run_command(tmp_path, "a.json", *extra)
-    b = run_command(tmp_path, "b.json", *extra)
-    assert a == b
-    assert a["model"] == shipped["model"] and a["format"] == shipped["format"]
-    for n in ("1", "2"):
-        same = sum(x["clusters"] == y["clusters"] and x["r_heads"] == y["r_heads"]
-                   for x, y in zip(a["clusterings"][n], shipped["clusterings"][n]))
-        assert same >= AGREEMENT[n], f"N_r={n}: {same} of 30 layers agree"
-    # N_r = 3 is every head its own cluster, whatever the corpus
-    assert a["clusterings"]["3"] == shipped["clusterings"]["3"]
+    c = shipped["corpus"]
+    doc = run_command(tmp_path, "again.json", "--docs", str(c["docs"]), "--doc-tokens", str(c["doc_tokens"]),
+                      "--steps", str(c["steps"]), "--topk", str(c["topk"]), "--seed", str(shipped["seed"]))
+    assert doc["model"] == shipped["model"] and doc["corpus"] == shipped["corpus"]
+    for mine, theirs in zip(doc["similarity"], shipped["similarity"]):
+        assert max(abs(x - y) for r1, r2 in zip(mine, theirs) for x, y in zip(r1, r2)) <= 1e-6
+    assert doc["clusterings"] == shipped["clusterings"]
