@@ -147,8 +147,15 @@ def run(args) -> int:
         if getattr(args, name) < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
-    model, tok = load_model(args)
-    cfg = model.cfg
+    from ..config import ModelConfig
+    from ..loading import resolve
+
+    try:  # the config first: bad arguments fail before the weights load
+        model_dir = resolve(args.model, progress=False)
+        cfg = ModelConfig.from_json(model_dir)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     bad = [n for n in args.n_r or [] if not 1 <= n <= cfg.n_kv_heads]
     if bad:
         print(f"error: --n-r values must be in 1..{cfg.n_kv_heads} (the KV heads), got {bad}", file=sys.stderr)
@@ -157,6 +164,7 @@ def run(args) -> int:
         print(f"error: --doc-tokens + --steps exceeds the model's context of {cfg.max_position_embeddings}",
               file=sys.stderr)
         return 2
+    model, tok = load_model(args)
     try:
         docs = documents(tok, args.docs, args.doc_tokens)
     except ValueError as e:
@@ -171,12 +179,10 @@ def run(args) -> int:
         print(f"cluster-heads: document {i + 1}/{len(docs)} done, {spent:.0f} s, "
               f"~{spent / (i + 1) * (len(docs) - i - 1):.0f} s left", file=sys.stderr, flush=True)
 
-    from ..loading import resolve
-
     S = probe.meter.mean()
     corpus = {"source": "pydoc_data.topics", "docs": args.docs, "doc_tokens": args.doc_tokens,
               "steps": args.steps, "topk": args.topk}
-    doc = make_document(cfg, name=str(args.model), weights=weights_sha256(resolve(args.model, progress=False)),
+    doc = make_document(cfg, name=str(args.model), weights=weights_sha256(model_dir),
                         S=S, corpus=corpus, seed=args.seed, n_rs=args.n_r)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
