@@ -142,34 +142,27 @@ def documents(tok, n_docs: int, doc_tokens: int) -> list[list[int]]:
     return [bos + ids[i * body:(i + 1) * body] for i in range(n_docs)]
 
 
-def run(args) -> int:
+def check(args) -> None:
+    """The flags that need no model (python -m minikv.bench calls this before loading it)."""
     for name in ("docs", "doc_tokens", "steps", "topk"):
         if getattr(args, name) < 1:
-            print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
-            return 2
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+
+def run(args) -> int:
     from ..config import ModelConfig
     from ..loading import resolve
 
-    try:  # the config first: bad arguments fail before the weights load
-        model_dir = resolve(args.model, progress=False)
-        cfg = ModelConfig.from_json(model_dir)
-    except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    check(args)
+    model_dir = resolve(args.model, progress=False)  # the config first: bad flags fail before the weights load
+    cfg = ModelConfig.from_json(model_dir)
     bad = [n for n in args.n_r or [] if not 1 <= n <= cfg.n_kv_heads]
     if bad:
-        print(f"error: --n-r values must be in 1..{cfg.n_kv_heads} (the KV heads), got {bad}", file=sys.stderr)
-        return 2
+        raise ValueError(f"--n-r values must be in 1..{cfg.n_kv_heads} (the KV heads), got {bad}")
     if args.doc_tokens + args.steps > cfg.max_position_embeddings:
-        print(f"error: --doc-tokens + --steps exceeds the model's context of {cfg.max_position_embeddings}",
-              file=sys.stderr)
-        return 2
+        raise ValueError(f"--doc-tokens + --steps exceeds the model's context of {cfg.max_position_embeddings}")
     model, tok = load_model(args)
-    try:
-        docs = documents(tok, args.docs, args.doc_tokens)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    docs = documents(tok, args.docs, args.doc_tokens)
     probe = Probe(topk=args.topk, n_layers=cfg.n_layers, n_kv=cfg.n_kv_heads)
     t0 = time.perf_counter()
     for i, ids in enumerate(docs):

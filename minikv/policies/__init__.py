@@ -7,4 +7,5 @@ __all__ = ["LayerKV", "Policy", "StepAction", "Tiers", "available", "make", "reg
 from . import streaming  # noqa: F401
 from . import softfreeze  # noqa: F401
 from . import freekv  # noqa: F401
+from . import icecache  # noqa: F401
 from . import synckv  # noqa: F401

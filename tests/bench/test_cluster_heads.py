@@ -5,12 +5,13 @@ import json
 import pytest
 
 from minikv.bench.__main__ import main
+from minikv.cli import run_command
 from minikv.policies.synckv_clusters import DATA_DIR, FORMAT
 
 SHIPPED = DATA_DIR / "synckv_smollm2.json"
 
 
-def run_command(tmp_path, name, *extra):
+def run_cluster_heads(tmp_path, name, *extra):
     out = tmp_path / name
     assert main(["cluster-heads", "--model", "smollm2", "--threads", "1", "--out", str(out), *extra]) == 0
     return json.loads(out.read_text())
@@ -19,7 +20,7 @@ def run_command(tmp_path, name, *extra):
 def test_tiny_run_writes_a_file_for_this_model_like_the_shipped_one(tmp_path, capsys):
     """One document of 48 tokens, 3 steps: same format and model identity (config and weights
     checksums) as the shipped file, a clustering for every N_r, the summary tables printed."""
-    doc = run_command(tmp_path, "tiny.json", "--docs", "1", "--doc-tokens", "48", "--steps", "3", "--topk", "8")
+    doc = run_cluster_heads(tmp_path, "tiny.json", "--docs", "1", "--doc-tokens", "48", "--steps", "3", "--topk", "8")
     shipped = json.loads(SHIPPED.read_text())
     assert doc["format"] == shipped["format"] == FORMAT
     assert doc["model"] == shipped["model"]
@@ -40,7 +41,7 @@ def test_tiny_run_writes_a_file_for_this_model_like_the_shipped_one(tmp_path, ca
     (["--doc-tokens", "9000"], "exceeds the model's context"),
 ])
 def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, args, message):
-    assert main(["cluster-heads", "--out", str(tmp_path / "x.json"), *args]) == 2
+    assert run_command(main, ["cluster-heads", "--out", str(tmp_path / "x.json"), *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and message in err and "Traceback" not in err
 
@@ -53,7 +54,7 @@ def test_shipped_file_is_what_the_command_produces(tmp_path):
     every N_r. So the shipped file is reproducible, and the command deterministic."""
     shipped = json.loads(SHIPPED.read_text())
     c = shipped["corpus"]
-    doc = run_command(tmp_path, "again.json", "--docs", str(c["docs"]), "--doc-tokens", str(c["doc_tokens"]),
+    doc = run_cluster_heads(tmp_path, "again.json", "--docs", str(c["docs"]), "--doc-tokens", str(c["doc_tokens"]),
                       "--steps", str(c["steps"]), "--topk", str(c["topk"]), "--seed", str(shipped["seed"]))
     assert doc["model"] == shipped["model"] and doc["corpus"] == shipped["corpus"]
     for mine, theirs in zip(doc["similarity"], shipped["similarity"]):
