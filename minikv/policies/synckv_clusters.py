@@ -123,10 +123,16 @@ def cluster_layer(S: torch.Tensor, n_r: int, seed: int = 0) -> dict:
 # -- identity and files ------------------------------------------------------------------------
 
 
+# The config fields that name a model's shape: what minikv's loader and the transformers adapter
+# (minikv.hf) both fill in, so that a policy bound through either finds the same file.
+IDENTITY_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "n_layers", "n_heads",
+                   "n_kv_heads", "head_dim", "max_position_embeddings", "rope_theta", "rotary_dim")
+
+
 def config_sha256(cfg) -> str:
-    """SHA-256 of a ModelConfig's fields as canonical JSON: what a bound policy can identify."""
+    """SHA-256 of a ModelConfig's identity fields as canonical JSON: what a bound policy sees."""
     fields = dataclasses.asdict(cfg)
-    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=list).encode()).hexdigest()
+    return hashlib.sha256(json.dumps({k: fields[k] for k in IDENTITY_FIELDS}, sort_keys=True).encode()).hexdigest()
 
 
 def weights_sha256(model_dir: Path) -> str:
