@@ -6,12 +6,22 @@ Prompts are the first N tokens of the standard library's pydoc_data.topics text;
 ignores EOS so every run decodes --new-tokens tokens. The first policy is the baseline of the
 `vs first` column (its time per token divided by this row's: above 1 is faster). Policies take
 turns run by run (--warmup untimed rounds, then --repeats timed ones) and medians are reported.
+
+--lockstep: one prefill forward for all policies (bench passkey's SharedPrefill: their prefill
+outputs must agree), then the policies decode in lockstep, step t of every policy before step
+t + 1 of any, each greedy on its own tokens. On a machine whose load changes during a run this
+keeps the TPOT ratios fair (every policy's step t runs within seconds of the others'), and it
+costs one long prefill instead of one per policy and repeat. TTFT is not per policy then ('-').
 """
 from __future__ import annotations
 
 import statistics
+import time
 
-from ..generate import generate
+import torch
+
+from ..generate import decode_one_token, generate
+from ..policies import make
 from .common import add_common_arguments, load_model, print_table, text_ids, write_json
 
 
@@ -22,6 +32,8 @@ def add_arguments(p) -> None:
     p.add_argument("--new-tokens", type=int, default=64, help="tokens to generate per run (default 64)")
     p.add_argument("--repeats", type=int, default=3, help="runs per cell; the median is reported")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs before measuring")
+    p.add_argument("--lockstep", action="store_true",
+                   help="one shared prefill, then every policy decodes step by step in turn (no TTFT per policy)")
 
 
 def summarize(runs: list[dict], new_tokens: int) -> dict:
@@ -34,7 +46,40 @@ def summarize(runs: list[dict], new_tokens: int) -> dict:
         # policies that time their selection and recall (freekv) say what share of decoding it took
         "overhead_share": statistics.median(
             (r["select_s"] + r["recall_s"]) / (r["tpot_s"] * (new_tokens - 1)) for r in runs) if "select_s" in runs[-1] else None,
+        # and each part on its own (the JSON rows): selection (a page-score pass, or a tree search) and recall
+        "select_share": statistics.median(
+            r["select_s"] / (r["tpot_s"] * (new_tokens - 1)) for r in runs) if "select_s" in runs[-1] else None,
+        "recall_share": statistics.median(
+            r["recall_s"] / (r["tpot_s"] * (new_tokens - 1)) for r in runs) if "recall_s" in runs[-1] else None,
     }
+
+
+def lockstep_runs(model, ids: list[int], specs: list[str], new_tokens: int) -> dict[str, dict]:
+    """One shared prefill, then greedy decoding of every policy in lockstep -> {spec: stats}
+    with tpot_s the mean step time, token_ids the new_tokens tokens, and the policy's own stats."""
+    from .passkey import SharedPrefill
+
+    policies = [make(s).bind(model.cfg, device=model.device, dtype=model.dtype, max_len=len(ids) + new_tokens)
+                for s in specs]
+    x = torch.tensor([ids], device=model.device)
+    logits = model(x, policy=SharedPrefill(policies, specs), logits_at=torch.tensor([len(ids) - 1], device=model.device))
+    token = [logits.argmax(-1)] * len(specs)
+    times = [[] for _ in specs]
+    produced = [[int(token[0])] for _ in specs]
+    for step in range(new_tokens - 1):
+        position = torch.tensor([len(ids) + step], device=model.device)
+        for j, policy in enumerate(policies):
+            t0 = time.perf_counter()
+            out = decode_one_token(model, token[j], position, policy)
+            times[j].append(time.perf_counter() - t0)
+            token[j] = out.argmax(-1)
+            produced[j].append(int(token[j]))
+    found = {}
+    for spec, policy, ts, toks in zip(specs, policies, times, produced):
+        stats = policy.stats()
+        stats.update(ttft_s=float("nan"), tpot_s=sum(ts) / len(ts), token_ids=toks)
+        found[spec] = stats
+    return found
 
 
 def run(args) -> int:
@@ -43,6 +88,17 @@ def run(args) -> int:
     rows = []
     for n in args.prompt_lengths:
         ids = text_ids(tokenizer, n)
+        if args.lockstep:
+            found = lockstep_runs(model, ids, policies, args.new_tokens)
+            for policy in policies:
+                row = {"policy": policy, "prompt_tokens": n, **summarize([found[policy]], args.new_tokens)}
+                row["ttft_s"] = None
+                row["tokens_per_s"] = 1.0 / row["tpot_s"]
+                row["tpot_ms"] = 1000 * row["tpot_s"]
+                base = next((r for r in rows if r["prompt_tokens"] == n), row)
+                row["vs_first"] = base["tpot_s"] / row["tpot_s"]
+                rows.append(row)
+            continue
         runs = {policy: [] for policy in policies}
         # policies take turns, run by run, so that a noisy shared machine slows them alike
         for i in range(args.warmup + args.repeats):

@@ -48,6 +48,7 @@ import math
 
 import torch
 
+from ..kernels.page_gather import page_gather
 from ..kernels.page_layout import hnd_to_nhd, nhd_to_hnd
 from ..kernels.paged_attention import paged_attention
 from .streams import CudaStreams
@@ -122,6 +123,9 @@ class PagedKV:
         self.n_cand = 0  # pages offloaded so far = candidates
         self.n_cand_tensor = torch.zeros(1, dtype=torch.int64, device=dev)  # the same, as page_scores' n_valid
         self.pages_recalled = 0
+        # the gather reads the host tier: Triton can address it only when it is not CPU memory
+        # beside a GPU (on a CPU-only machine the kernel runs in Triton's interpreter)
+        self.gather_backend = "eager" if dev.type == "cuda" else backend
         # one recall moves at most every selected slot of every head; policies share one Staging
         self.staging = staging if staging is not None else Staging(H * n_select, P, D, dtype, tiers)
         self.use_streams(streams if streams is not None else (CudaStreams(dev) if dev.type == "cuda" else None))
@@ -270,7 +274,7 @@ class PagedKV:
         buf = stage.take()  # two staging buffers in turn: the next gather need not wait for this copy
         host_rows = self.host.view(-1, 2, self.P, self.D)
         if self.streams is None:
-            torch.index_select(host_rows, 0, flat, out=stage.host[buf][:n])
+            page_gather(host_rows, flat, stage.host[buf], backend=self.gather_backend)
             blocks = stage.dev[buf][:n]
             blocks.copy_(stage.host[buf][:n])
             self.tiers.bytes_to_device += blocks.numel() * blocks.element_size()
@@ -278,7 +282,7 @@ class PagedKV:
             return
         S = self.streams
         stage.free[buf].synchronize()  # the copy that last read this buffer (any layer's) is done
-        torch.index_select(host_rows, 0, flat, out=stage.host[buf][:n])
+        page_gather(host_rows, flat, stage.host[buf], backend=self.gather_backend)
         main = S.current()
         stream = self.side if background else main
         stream.wait_stream(main)  # selection, and this step's attention over the old slots, first

@@ -1,7 +1,7 @@
 """streaming: StreamingLLM's Start+Recent cache with Lazy Pruning, Slack and Max_Drop.
 
 Paper: "Efficient KV Cache Management for Long-Context LLM Inference: Lazy Pruning, Slack, and
-Staged Eviction", on top of "Efficient Streaming Language Models with Attention Sinks" (StreamingLLM;
+Staged Eviction" (anonymous authors, under review; no public link yet), on top of "Efficient Streaming Language Models with Attention Sinks" (StreamingLLM;
 G. Xiao, Y. Tian, B. Chen, S. Han, M. Lewis; ICLR 2024; https://arxiv.org/abs/2309.17453).
 
 Each layer keeps its keys (after RoPE) and values in one preallocated buffer of L tokens: the

@@ -1,4 +1,5 @@
-"""passkey benchmark logic: prompt construction, scoring, budget handling (no model runs)."""
+"""passkey benchmark logic: prompt construction, scoring, budget handling (no model runs); and
+--shared-prefill answers exactly as separate runs do (SmolLM2, a short prompt)."""
 import pytest
 
 from minikv.bench.passkey import INSTRUCTION, build_prompt, draw_key, needle, score, with_budget
@@ -65,3 +66,19 @@ def test_pydoc_filler_is_natural_text_and_unknown_fillers_are_refused():
     assert "The grass is green" not in text and len(set(text.split())) > 200  # not a repeated sentence
     with pytest.raises(ValueError, match="filler must be one of"):
         build_prompt(tok, 400, 0.5, draw_key(1), "lorem")
+
+
+def test_shared_prefill_answers_as_separate_runs(smollm2):
+    from minikv.bench.passkey import shared_trials
+    from minikv.generate import generate
+
+    model, tok = smollm2
+    ids = build_prompt(tok, 300, 0.4, draw_key(1))
+    specs = ["full", "icecache:budget=96", "freekv:budget=128"]
+    shared = shared_trials(model, tok, specs, ids, 4)
+    for spec in specs:
+        alone = generate(model, tok, ids, policy=spec, max_new_tokens=4, stop_at_eos=False)
+        assert shared[spec]["text"] == alone.text, spec
+        assert shared[spec]["stats"]["device_tokens_peak"] == alone.stats["device_tokens_peak"]
+    with pytest.raises(ValueError, match="prefill output differs"):
+        shared_trials(model, tok, ["full", "streaming:sink=4,window=60,R=1,slack=0,max_drop=0"], ids, 2)

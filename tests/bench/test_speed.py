@@ -35,3 +35,19 @@ def test_policies_alternate_and_rows_report_each_policy(smollm2, tmp_path, monke
     assert full["device_tokens_peak"] == 24 + 6 - 1  # the last token is sampled, never cached
     assert stream["device_tokens_peak"] <= 16
     assert full["overhead_share"] is None and all(r["tpot_s"] > 0 and r["ttft_s"] > 0 for r in rows)
+
+
+def test_lockstep_decodes_what_generate_decodes(smollm2):
+    """--lockstep: one shared prefill, policies in turn step by step; each policy's tokens are
+    those a run of its own produces."""
+    from minikv.bench.common import text_ids
+    from minikv.bench.speed import lockstep_runs
+    from minikv.generate import generate
+
+    model, tok = smollm2
+    ids = text_ids(tok, 200)
+    specs = ["full", "icecache:budget=96"]
+    found = lockstep_runs(model, ids, specs, 4)
+    for spec in specs:
+        alone = generate(model, tok, ids, policy=spec, max_new_tokens=4, stop_at_eos=False)
+        assert found[spec]["token_ids"] == alone.token_ids and found[spec]["tpot_s"] > 0
