@@ -73,7 +73,7 @@ def test_include_merges_rows_into_tables_and_json(tmp_path):
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
-    from minikv.cli import run_command
+    from minikv.cli import run_command  # what `python -m minikv.bench` runs main through
 
     assert run_command(main, ["compare", "--from", str(tmp_path / "missing.json")]) == 2
     assert run_command(main, ["compare", "--tasks", "qa_1"]) == 2
