@@ -158,12 +158,31 @@ def generate(model, tokenizer, prompt, policy="full", max_new_tokens: int = 128,
     new, step_times = decode_n_tokens(model, logits, lengths, policy, max_new_tokens, eos_ids,
                                       (temperature, top_k, top_p), generator, on_token)
     total = time.perf_counter() - t0
-    stats = generation_stats(policy, prompts, new, ttft, step_times, total)
+    stats = generation_stats(policy, prompts, new, ttft, step_times, total, model)
     results = [GenerationResult(tokenizer.decode([t for t in row if t not in eos_ids]), row, stats) for row in new]
     return results if batched else results[0]
 
 
-def generation_stats(policy, prompts, new, ttft, step_times, total) -> dict:
+def weight_bytes_per_step(model) -> int:
+    """Bytes of weights one decode step reads: every parameter once, except the input embedding,
+    of which a step reads one row per sequence (unless it is tied to the output head, which reads
+    it whole: parameters() lists a tied tensor once)."""
+    embedding, head = model.embed.weight, model.lm_head.weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding or p is head)
+    return total + (embedding[0].numel() * embedding.element_size() if embedding is not head else 0)
+
+
+def decode_bandwidth(bytes_per_step: float, tpot_s: float, read_bandwidth: float | None = None) -> dict:
+    """Achieved bandwidth of decoding (bytes read per step / time per step), and its share of the
+    machine's read bandwidth (bytes/s, e.g. bench.common.measure_read_bandwidth()) when given."""
+    achieved = bytes_per_step / tpot_s
+    out = {"bytes_per_token": bytes_per_step, "bandwidth_gb_s": achieved / 1e9}
+    if read_bandwidth:
+        out.update(read_bandwidth_gb_s=read_bandwidth / 1e9, bandwidth_share=achieved / read_bandwidth)
+    return out
+
+
+def generation_stats(policy, prompts, new, ttft, step_times, total, model=None) -> dict:
     n_new = sum(len(row) for row in new)
     tpot = sum(step_times) / len(step_times) if step_times else float("nan")
     stats = {
@@ -175,4 +194,7 @@ def generation_stats(policy, prompts, new, ttft, step_times, total) -> dict:
         "total_s": total,
     }
     stats.update(policy.stats())
+    if model is not None and step_times:
+        # what one decode step reads: the weights, and the KV the policy's attention read
+        stats.update(decode_bandwidth(weight_bytes_per_step(model) + stats["kv_bytes_read_per_step"], tpot))
     return stats

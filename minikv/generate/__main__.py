@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from . import check_sampling, generate
+from . import check_sampling, decode_bandwidth, generate
 from ..policies import make
 
 
@@ -121,6 +121,10 @@ def main(argv=None) -> int:
     else:
         sys.stdout.write(printer.stream.flush() + "\n")
         sys.stdout.flush()
+    if args.stats and "bytes_per_token" in stats:  # the achieved bandwidth's share of the machine's
+        from ..bench.common import measure_read_bandwidth
+
+        stats.update(decode_bandwidth(stats["bytes_per_token"], stats["tpot_s"], measure_read_bandwidth(model.device)))
     if args.stats or interrupted:
         print_stats(stats)
     return 130 if interrupted else 0
