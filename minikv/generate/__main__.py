@@ -30,7 +30,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=None, help="random seed: same seed, same text")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence (benchmarks)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on CUDA and on CPUs with native bfloat16, else float32)")
     p.add_argument("--stats", action="store_true", help="print speed and KV-cache statistics on stderr")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of streaming text")
     return p.parse_args(argv)
