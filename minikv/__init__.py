@@ -3,11 +3,15 @@
     model, tokenizer = minikv.load("smollm2")
     result = minikv.generate(model, tokenizer, "Hello", policy="streaming:sink=4,window=252")
 """
-from .config import ModelConfig
-from .generate import GenerationResult, generate
-from .loading import load, load_model
-from .policies import available as available_policies
-from .policies import make as make_policy
+from .kernels import select_interpreter_without_cuda
 
-__all__ = ["GenerationResult", "ModelConfig", "generate", "available_policies", "load", "load_model", "make_policy"]
+select_interpreter_without_cuda()  # before anything imports triton (see minikv.kernels)
+
+from .config import ModelConfig  # noqa: E402
+from .generate import BatchResults, GenerationResult, generate  # noqa: E402
+from .loading import load, load_model  # noqa: E402
+from .policies import available as available_policies  # noqa: E402
+from .policies import make as make_policy  # noqa: E402
+
+__all__ = ["BatchResults", "GenerationResult", "ModelConfig", "generate", "available_policies", "load", "load_model", "make_policy"]
 __version__ = "0.1.0"

@@ -84,13 +84,33 @@ def matvec_layout(w: torch.Tensor) -> torch.Tensor:
     return w.t().contiguous().t()
 
 
+def resolve_device(device=None) -> torch.device:
+    """'cpu', 'cuda', 'cuda:N' or None (CUDA when present) -> a torch.device that exists here."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            raise ValueError(f"device {str(device)!r}: no CUDA device is available here (torch {torch.__version__}, "
+                             f"{build}); use cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(device)!r}: there are {torch.cuda.device_count()} CUDA devices")
+    elif dev.type != "cpu":
+        raise ValueError(f"device {str(device)!r}: minikv runs on cpu or cuda")
+    return dev
+
+
 def load_model(path: str | Path, device=None, dtype=None) -> DecoderLM:
+    """The model of a Hugging Face style safetensors directory (no tokenizer: see load())."""
     path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"model directory {path} does not exist")
+    check_model_dir(path)
     cfg = ModelConfig.from_json(path)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = dtype or default_dtype(device)
+    device = resolve_device(device)
+    dtype = (parse_dtype(dtype) if isinstance(dtype, str) else dtype) or default_dtype(device)
     with torch.device("meta"):
         model = build_model(cfg)
     expected = {k: v.shape for k, v in model.state_dict().items()}
@@ -282,28 +302,66 @@ def import_gguf(path: str | Path, out_dir: Path | None = None, progress: bool = 
     return out_dir
 
 
-def resolve(name_or_path: str | Path, progress: bool = True) -> Path:
-    """A model name or path -> a safetensors directory (importing GGUF files on the way)."""
+def check_model_dir(path: Path) -> None:
+    """Raise FileNotFoundError, saying what is missing, unless `path` is a model directory."""
+    if path.is_file():
+        raise FileNotFoundError(f"{path} is a file, not a model: give a Hugging Face model directory "
+                                "(config.json and *.safetensors), a .gguf file or an alias "
+                                f"({', '.join(ALIASES)})")
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {path} does not exist")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
+
+
+def locate(name_or_path: str | Path) -> tuple[str, Path | None]:
+    """What a model name points at, checked without reading any weights:
+    ("alias", None), ("gguf", file) or ("dir", directory). Raises FileNotFoundError otherwise."""
     text = str(name_or_path)
     if text.lower() in ALIASES:
-        return import_gguf(smollm2_gguf_path(), progress=progress)
+        return "alias", None
     path = Path(text).expanduser()
     if path.suffix == ".gguf":
-        return import_gguf(path, progress=progress)
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {path} does not exist")
+        return "gguf", path
     if not path.exists():
         raise FileNotFoundError(
             f"no model {text!r}: not a directory, not a .gguf file, not an alias ({', '.join(ALIASES)})"
         )
+    check_model_dir(path)
+    return "dir", path
+
+
+def resolve(name_or_path: str | Path, progress: bool = True) -> Path:
+    """A model name or path -> a safetensors directory (importing GGUF files on the way)."""
+    kind, path = locate(name_or_path)
+    if kind == "alias":
+        return import_gguf(smollm2_gguf_path(), progress=progress)
+    if kind == "gguf":
+        return import_gguf(path, progress=progress)
     return path
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json + merges.txt")
+
+
+def has_tokenizer(path: Path) -> bool:
+    return ((path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file()
+            or ((path / "vocab.json").is_file() and (path / "merges.txt").is_file()))
+
+
 def load(name_or_path: str | Path, device=None, dtype=None, progress: bool = True):
-    """model, tokenizer = load("smollm2") or load("path/to/hf_dir")."""
+    """model, tokenizer = load("smollm2") or load("path/to/hf_dir") or load("file.gguf").
+
+    A directory without tokenizer files is refused before any weight is read;
+    load_model(path) loads such a model alone."""
     from .tokenizer import load_tokenizer
 
     path = resolve(name_or_path, progress)
-    if isinstance(dtype, str):
-        dtype = parse_dtype(dtype)
+    if not has_tokenizer(path):
+        raise FileNotFoundError(f"no tokenizer in {path} (looked for {', '.join(TOKENIZER_FILES)}); "
+                                f"minikv.load_model({str(path)!r}) loads the model without one")
     model = load_model(path, device=device, dtype=dtype)
     return model, load_tokenizer(path)
 

@@ -1,6 +1,7 @@
 """Test session setup: Triton's interpreter when there is no GPU, hypothesis profiles, fixtures."""
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -21,4 +22,33 @@ settings.register_profile("ci", max_examples=30, deadline=None, suppress_health_
 settings.register_profile("dev", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-from .fixtures import reference_dir, smollm2  # noqa: E402,F401  (shared fixtures)
+from .fixtures import hf_smollm2, reference_dir, smollm2  # noqa: E402,F401  (shared fixtures)
+
+
+# -- the default run leaves out the slow tests: say how many, and how to run them ---------------
+# pyproject's addopts deselect `-m 'not slow'`. pytest prints the count itself, but not under
+# pytest-xdist (-n 2), whose workers collect and deselect: each worker passes its count to the
+# controller through `workeroutput`, and the summary says it in every mode.
+_deselected = {"count": 0}
+
+
+def pytest_deselected(items):
+    _deselected["count"] += sum(1 for item in items if item.get_closest_marker("slow"))
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: hand the count to the controller
+        session.config.workeroutput["deselected"] = _deselected["count"]
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown when xdist is not loaded
+def pytest_testnodedown(node, error):
+    # every worker collects the whole suite: they all deselect the same tests
+    _deselected["count"] = max(_deselected["count"], getattr(node, "workeroutput", {}).get("deselected", 0))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if "slow" in (config.getoption("markexpr") or "") and _deselected["count"]:
+        terminalreporter.write_line(
+            f"{_deselected['count']} slow tests deselected by -m {config.getoption('markexpr')!r} "
+            "(pyproject addopts); run them with: python -m pytest -m slow")

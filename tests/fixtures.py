@@ -18,3 +18,39 @@ def reference_dir():
     from pathlib import Path
 
     return Path(__file__).resolve().parent.parent / "reference"
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    """SmolLM2 as transformers loads it from the bundled GGUF: float32, CPU (needs the hf extra).
+
+    transformers spends ~25 s of CPU dequantizing the GGUF and refuses to save a GGUF-loaded model,
+    so the first session writes the tensors it loaded (safetensors, the config without its GGUF
+    quantization entry) into minikv's cache, and later sessions, and the other xdist worker, load
+    those with transformers: the same tensors, bit for bit. A lock keeps two workers from both
+    converting."""
+    import copy
+    import fcntl
+
+    import transformers
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM
+
+    from minikv.loading import cache_dir, smollm2_gguf_path
+
+    gguf = smollm2_gguf_path()
+    root = cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    saved = root / f"hf-{gguf.stem}-{gguf.stat().st_size}-transformers-{transformers.__version__}"
+    with open(root / ".hf-smollm2.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (saved / "model.safetensors").is_file():
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+            tmp = saved.with_name(saved.name + ".tmp")
+            tmp.mkdir(exist_ok=True)
+            config = copy.deepcopy(model.config)
+            del config.quantization_config
+            config.save_pretrained(tmp)
+            save_model(model, str(tmp / "model.safetensors"))  # tied lm_head: stored once
+            tmp.rename(saved)
+    return AutoModelForCausalLM.from_pretrained(str(saved), dtype=torch.float32).eval()

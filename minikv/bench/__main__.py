@@ -1,5 +1,10 @@
-"""python -m minikv.bench <benchmark> [options]: every benchmark prints a table; --json FILE
-writes its numbers. `python -m minikv.bench --help` lists them."""
+"""python -m minikv.bench <benchmark> [options]: every benchmark prints its table on stdout and its
+progress on stderr; --json FILE writes its numbers. `python -m minikv.bench --help` lists them.
+
+Every ratio a benchmark prints is `this / full` (e.g. "TPOT x full": below 1 is faster than the
+full cache). Flags are checked before the model loads: the shared ones (--model --device --dtype
+--threads --policy) here, a benchmark's own in its `check(args)` when it has one. Errors take
+minikv's one path (minikv.cli): one line `error: ...` on stderr, exit code 2."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +13,7 @@ import pkgutil
 import sys
 
 import minikv.bench as bench_pkg
+from minikv.cli import check_common, run_command
 
 
 def benchmarks() -> dict:
@@ -22,7 +28,11 @@ def benchmarks() -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minikv.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m minikv.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true",
+                        help="check the benchmark's flags (policy specs, device, model path, ...) and exit "
+                             "without loading the model or running anything")
     sub = parser.add_subparsers(dest="benchmark", required=True)
     for name, module in sorted(benchmarks().items()):
         doc = (module.__doc__ or name).strip().splitlines()[0]
@@ -31,8 +41,14 @@ def main(argv=None) -> int:
         module.add_arguments(p)
         p.set_defaults(_module=module)
     args = parser.parse_args(argv)
+    check_common(args)
+    if hasattr(args._module, "check"):
+        args._module.check(args)
+    if args.check:
+        print(f"{args.benchmark}: flags are valid", file=sys.stderr)
+        return 0
     return args._module.run(args) or 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

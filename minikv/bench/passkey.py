@@ -6,17 +6,33 @@
 The prompt (Mohtashami & Jaggi's landmark-attention test): an instruction, repeated filler
 sentences, the key line "The pass key is 12345. Remember it. 12345 is the pass key." at
 `depth` (0 = start, 1 = end) of the filler, then "What is the pass key? The pass key is". The
-filler is cut so the whole prompt has --lengths tokens. Greedy decoding of --new-tokens tokens;
+filler is cut so the whole prompt has --lengths tokens. `--filler pydoc` replaces the repeated
+sentences with natural text (the standard library's pydoc_data documentation, from its start):
+repetition makes every filler page look alike, which flatters page-level retrieval.
+Greedy decoding of --new-tokens tokens;
 a trial succeeds when the first 5-digit number in the answer is the key. Seeds draw the key.
 --budget N (repeatable) is given to every policy that takes a `budget` parameter and whose spec
 does not set one (full keeps everything); each budget makes its own rows.
+
+--shared-prefill runs each prompt's prefill forward once for all policies (each policy's layers
+store the prompt's KV from the same forward; their prefill outputs must be equal, which holds for
+every policy whose prefill attends densely over the prompt, and is checked layer by layer), then
+decodes each policy on its own. The answers are those of separate runs; the prefills, which
+dominate at thousands of tokens, cost one forward instead of one per policy.
+
+stdout: a table with a row per policy, length and depth, then one per policy and length over all
+depths. stderr: a line per trial as it ends.
 """
 from __future__ import annotations
 
 import random
 import re
+import sys
+from functools import lru_cache
 
-from ..generate import generate
+import torch
+
+from ..generate import decode_n_tokens, generate
 from ..policies import make
 from ..policies.base import _REGISTRY, parameters
 from .common import add_common_arguments, load_model, print_table, write_json
@@ -35,7 +51,30 @@ def needle(key: str) -> str:
     return f" The pass key is {key}. Remember it. {key} is the pass key. "
 
 
-def build_prompt(tokenizer, length: int, depth: float, key: str) -> list[int]:
+FILLERS = ("repeat", "pydoc")
+
+
+@lru_cache(maxsize=4)
+def _pydoc_tokens(tokenizer) -> tuple[int, ...]:
+    from pydoc_data.topics import topics
+
+    return tuple(tokenizer.encode("\n\n".join(topics[k] for k in sorted(topics)), add_bos=False))
+
+
+def filler_tokens(tokenizer, n: int, filler: str = "repeat") -> list[int]:
+    """n filler tokens: the repeated sentences, or natural text (pydoc_data, ~100k tokens)."""
+    if filler == "repeat":
+        one = tokenizer.encode(FILLER, add_bos=False)
+        return (one * (n // len(one) + 1))[:n]
+    if filler == "pydoc":
+        text = _pydoc_tokens(tokenizer)
+        if n > len(text):
+            raise ValueError(f"the pydoc filler holds {len(text)} tokens, {n} were asked for")
+        return list(text[:n])
+    raise ValueError(f"filler must be one of {FILLERS}, got {filler!r}")
+
+
+def build_prompt(tokenizer, length: int, depth: float, key: str, filler: str = "repeat") -> list[int]:
     """Token ids of exactly `length` tokens with the key line at `depth` of the filler."""
     if not 0 <= depth <= 1:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
@@ -45,10 +84,9 @@ def build_prompt(tokenizer, length: int, depth: float, key: str) -> list[int]:
     if n_fill < 0:
         raise ValueError(f"length {length} is shorter than the prompt without filler "
                          f"({len(head) + len(tail) + len(line)} tokens)")
-    one = tokenizer.encode(FILLER, add_bos=False)
-    filler = (one * (n_fill // len(one) + 1))[:n_fill]
+    fill = filler_tokens(tokenizer, n_fill, filler)
     cut = round(depth * n_fill)
-    return head + filler[:cut] + line + filler[cut:] + tail
+    return head + fill[:cut] + line + fill[cut:] + tail
 
 
 def score(answer: str, key: str) -> bool:
@@ -68,6 +106,69 @@ def with_budget(spec: str, budget: int | None) -> str:
     return f"{name}:{rest + ',' if rest else ''}budget={budget}"
 
 
+class SharedPrefill:
+    """One prefill forward for several bound policies: every layer's prefill goes to each of
+    them, and their outputs must agree (they then hold the same prompt, as after separate runs)."""
+
+    def __init__(self, policies: list, names: list[str]):
+        self.policies, self.names = policies, names
+        self.steps = 0
+        self.last_action = None
+
+    def layer(self, index: int) -> "SharedPrefill._Layer":
+        return SharedPrefill._Layer([p.layer(index) for p in self.policies], self.names)
+
+    def rope_positions(self, positions):
+        found = [p.rope_positions(positions) if hasattr(p, "rope_positions") else positions for p in self.policies]
+        if any(not torch.equal(f, found[0]) for f in found):
+            raise ValueError("--shared-prefill: the policies rotate the prompt at different positions")
+        return found[0]
+
+    def end_step(self, logits=None):
+        for p in self.policies:
+            p.last_action = p.end_step(logits)
+        self.steps += 1
+
+    class _Layer:
+        def __init__(self, layers, names):
+            self.layers, self.names = layers, names
+
+        def prefill(self, q, k, v, positions):
+            outs = [layer.prefill(q, k, v, positions) for layer in self.layers]
+            for name, out in zip(self.names[1:], outs[1:]):
+                if not torch.equal(out, outs[0]):
+                    raise ValueError(f"--shared-prefill: {name}'s prefill output differs from {self.names[0]}'s; "
+                                     "run without --shared-prefill")
+            return outs[0]
+
+
+def shared_trials(model, tok, specs: list[str], ids: list[int], new_tokens: int) -> dict[str, dict]:
+    """Prefill once for all specs, decode each greedily -> {spec: {"text", "stats"}}."""
+    policies = [make(s).bind(model.cfg, device=model.device, dtype=model.dtype, max_len=len(ids) + new_tokens)
+                for s in specs]
+    x = torch.tensor([ids], device=model.device)
+    lengths = torch.tensor([len(ids)], device=model.device)
+    logits = model(x, policy=SharedPrefill(policies, specs), logits_at=lengths - 1)
+    found = {}
+    for spec, policy in zip(specs, policies):
+        new, _ = decode_n_tokens(model, logits, lengths, policy, new_tokens, set(), (0.0, None, None), None)
+        found[spec] = {"text": tok.decode(new[0]), "stats": policy.stats()}
+    return found
+
+
+def over_depths(rows: list[dict]) -> list[dict]:
+    """Rows per (policy, length) summed over depths, in first-seen order."""
+    totals: dict[tuple, dict] = {}
+    for r in rows:
+        t = totals.setdefault((r["policy"], r["length"]), {"policy": r["policy"], "length": r["length"],
+                                                           "found": 0, "trials": 0})
+        t["found"] += r["found"]
+        t["trials"] += r["trials"]
+    for t in totals.values():
+        t["accuracy"] = t["found"] / t["trials"]
+    return list(totals.values())
+
+
 def add_arguments(p) -> None:
     p.add_argument("--policy", action="append", help="policy spec, repeatable (default: full)")
     p.add_argument("--budget", type=int, action="append", help="budget for policies that take one, repeatable")
@@ -75,38 +176,84 @@ def add_arguments(p) -> None:
     p.add_argument("--depths", type=float, nargs="+", default=[0.5], help="key depths in [0, 1] (0.5)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds drawing the key (0 1 2)")
     p.add_argument("--new-tokens", type=int, default=8, help="tokens generated per answer (8)")
+    p.add_argument("--filler", choices=FILLERS, default="repeat",
+                   help="repeat: the test's repeated sentences; pydoc: natural text (default repeat)")
+    p.add_argument("--shared-prefill", action="store_true",
+                   help="one prefill forward per prompt for all policies (their prefills must agree)")
     add_common_arguments(p)
 
 
-def run(args) -> int:
-    model, tok = load_model(args)
+def policy_specs(args) -> list[str]:
     specs = []
     for spec in args.policy or ["full"]:
         for budget in args.budget or [None]:
             s = with_budget(spec, budget)
-            make(s)  # fail on a bad spec before the first long prefill
+            make(s)  # fail on a bad spec before the model loads
             if s not in specs:
                 specs.append(s)
-    trials, rows = [], []
+    return specs
+
+
+def check(args) -> None:
+    """The flags that need no model (python -m minikv.bench calls this before loading it)."""
+    for depth in args.depths:
+        if not 0 <= depth <= 1:
+            raise ValueError(f"--depths: a depth is in [0, 1] (0 = start, 1 = end of the filler), got {depth}")
+    for name, values in (("--lengths", args.lengths), ("--budget", args.budget or [])):
+        if any(v < 1 for v in values):
+            raise ValueError(f"{name} must be >= 1, got {min(values)}")
+    if args.new_tokens < 1:
+        raise ValueError(f"--new-tokens must be >= 1, got {args.new_tokens}")
+    policy_specs(args)
+
+
+def run(args) -> int:
+    check(args)
+    specs = policy_specs(args)
+    model, tok = load_model(args)
+    context = model.cfg.max_position_embeddings
+    for length in args.lengths:  # every length, before the first trial of the first
+        if length + args.new_tokens > context:
+            raise ValueError(f"--lengths {length} + --new-tokens {args.new_tokens} exceeds the model's context of "
+                             f"{context} tokens")
+        build_prompt(tok, length, args.depths[0], draw_key(0), args.filler)  # too short for the instruction and key?
+    trials, answers = [], {}
+    for length in args.lengths:
+        for depth in args.depths:
+            for seed in args.seeds:
+                key = draw_key(seed)
+                ids = build_prompt(tok, length, depth, key, args.filler)
+                if args.shared_prefill:
+                    found = shared_trials(model, tok, specs, ids, args.new_tokens)
+                else:
+                    found = {}
+                    for spec in specs:
+                        r = generate(model, tok, ids, policy=spec, max_new_tokens=args.new_tokens, stop_at_eos=False)
+                        found[spec] = {"text": r.text, "stats": r.stats}
+                for spec in specs:
+                    text = found[spec]["text"]
+                    ok = score(text, key)
+                    answers[spec, length, depth, seed] = ok
+                    trials.append({"policy": spec, "length": length, "depth": depth, "seed": seed, "key": key,
+                                   "answer": text, "found": ok,
+                                   "device_tokens_peak": found[spec]["stats"]["device_tokens_peak"]})
+                    print(f"  {spec} length={length} depth={depth} seed={seed}: key {key}, "
+                          f"answer {text!r} -> {'found' if ok else 'missed'}", file=sys.stderr, flush=True)
+    rows = []
     for spec in specs:
         for length in args.lengths:
             for depth in args.depths:
-                hits = 0
-                for seed in args.seeds:
-                    key = draw_key(seed)
-                    ids = build_prompt(tok, length, depth, key)
-                    result = generate(model, tok, ids, policy=spec, max_new_tokens=args.new_tokens, stop_at_eos=False)
-                    ok = score(result.text, key)
-                    hits += ok
-                    trials.append({"policy": spec, "length": length, "depth": depth, "seed": seed, "key": key,
-                                   "answer": result.text, "found": ok,
-                                   "device_tokens_peak": result.stats["device_tokens_peak"]})
-                    print(f"  {spec} length={length} depth={depth} seed={seed}: key {key}, "
-                          f"answer {result.text!r} -> {'found' if ok else 'missed'}", flush=True)
+                hits = sum(answers[spec, length, depth, seed] for seed in args.seeds)
                 rows.append({"policy": spec, "length": length, "depth": depth, "found": hits,
                              "trials": len(args.seeds), "accuracy": hits / len(args.seeds)})
     print_table(rows, [("policy", "policy", ""), ("length", "length", "d"), ("depth", "depth", ".2f"),
                        ("found", "found", "d"), ("trials", "trials", "d"), ("accuracy", "accuracy", ".2f")],
-                title=f"\npasskey retrieval, {args.model}, greedy, {args.new_tokens} new tokens")
-    write_json(args.json, {"benchmark": "passkey", "model": args.model, "rows": rows, "trials": trials})
+                title=f"passkey retrieval, {args.model}, greedy, {args.new_tokens} new tokens")
+    totals = over_depths(rows)
+    if len(args.depths) > 1:
+        print_table(totals, [("policy", "policy", ""), ("length", "length", "d"), ("found", "found", "d"),
+                             ("trials", "trials", "d"), ("accuracy", "accuracy", ".2f")],
+                    title=f"\nall depths ({' '.join(str(d) for d in args.depths)})")
+    write_json(args.json, {"benchmark": "passkey", "model": args.model, "rows": rows, "totals": totals,
+                           "trials": trials})
     return 0

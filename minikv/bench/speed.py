@@ -46,11 +46,16 @@ def summarize(runs: list[dict], new_tokens: int) -> dict:
         "ttft_s": statistics.median(r["ttft_s"] for r in runs),
         "tpot_s": statistics.median(r["tpot_s"] for r in runs),
         "device_tokens_peak": runs[-1]["device_tokens_peak"],
-        "device_bytes": runs[-1]["device_bytes"],
+        "device_bytes": runs[-1]["device_bytes_allocated"],
         "bytes_per_token": runs[-1]["bytes_per_token"],
         # policies that time their selection and recall (freekv) say what share of decoding it took
         "overhead_share": statistics.median(
             (r["select_s"] + r["recall_s"]) / (r["tpot_s"] * (new_tokens - 1)) for r in runs) if "select_s" in runs[-1] else None,
+        # and each part on its own (the JSON rows): selection (a page-score pass, or a tree search) and recall
+        "select_share": statistics.median(
+            r["select_s"] / (r["tpot_s"] * (new_tokens - 1)) for r in runs) if "select_s" in runs[-1] else None,
+        "recall_share": statistics.median(
+            r["recall_s"] / (r["tpot_s"] * (new_tokens - 1)) for r in runs) if "recall_s" in runs[-1] else None,
     }
 
 

@@ -17,11 +17,26 @@ import torch
 from ..policies import Policy, make
 
 
+DEFAULT_MAX_NEW_TOKENS = 128  # the API's and the command line's default
+
+
 @dataclass
 class GenerationResult:
+    """One sequence's answer. For a single prompt `stats` holds everything (see generate); in a
+    batch it holds this sequence's own counts and the batch's numbers are on the list."""
+
     text: str
     token_ids: list[int]
     stats: dict = field(default_factory=dict)
+
+
+class BatchResults(list):
+    """The answers to a batch of prompts, in order (a list of GenerationResult), and `.stats`:
+    the batch's timing and KV numbers, once (the batch shares every forward)."""
+
+    def __init__(self, results, stats: dict):
+        super().__init__(results)
+        self.stats = stats
 
 
 # -- sampling ----------------------------------------------------------------------------------
@@ -63,7 +78,17 @@ def prefill(model, ids: torch.Tensor, lengths: torch.Tensor, policy: Policy, pro
     T = ids.shape[1]
     positions = torch.arange(T, device=ids.device).expand_as(ids)
     positions = torch.where(positions < lengths[:, None], positions, -1)  # -1 marks padding
-    return model(ids, positions=positions, policy=policy, logits_at=lengths - 1, progress=progress)
+    return model(ids, positions=positions, policy=policy, logits_at=lengths - 1,
+                 progress=tokens_progress(progress, int(lengths.sum())))
+
+
+def tokens_progress(progress, n_tokens: int):
+    """The model reports its prefill per layer, (layers done, n_layers); a user counts tokens.
+    The whole prompt goes through each layer in turn, so after i of n layers the work done is
+    that of i/n of the prompt's tokens: progress(round(n_tokens * i / n), n_tokens)."""
+    if progress is None:
+        return None
+    return lambda layer, n_layers: progress(round(n_tokens * layer / n_layers), n_tokens)
 
 
 def decode_one_token(model, token: torch.Tensor, position: torch.Tensor, policy: Policy) -> torch.Tensor:
@@ -123,25 +148,29 @@ def encode_prompt(tokenizer, prompt, chat: bool) -> list[int]:
     return ids
 
 
-def generate(model, tokenizer, prompt, policy="full", max_new_tokens: int = 128, temperature: float = 0.0,
-             top_k: int | None = None, top_p: float | None = None, seed: int | None = None, chat: bool = False,
-             stop_at_eos: bool = True, on_token=None, progress=None):
+def generate(model, tokenizer, prompt, policy="full", max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+             chat: bool = False, stop_at_eos: bool = True, on_token=None, progress=None):
     """Generate from one prompt (a string or token ids) or a batch (a list of them).
 
-    Returns a GenerationResult (a list of them for a batch). `policy` is a spec string or an
-    unbound Policy; it is bound here to this model and sequence length. on_token(row, id) is
-    called as tokens are produced (a negative id -n means: take back the last n tokens).
+    One prompt: a GenerationResult whose `stats` hold the run's timing, the policy's KV numbers
+    and its counters. A batch: BatchResults, a list with one GenerationResult per prompt, each
+    with its own `prompt_tokens`, `new_tokens` and `finish` ("eos" or "length"), and the batch's
+    timing and KV numbers once, in `.stats`. `policy` is a spec string or an unbound Policy; it is
+    bound here to this model and sequence length. on_token(row, id) is called as tokens are
+    produced (a negative id -n means: take back the last n tokens). progress(done, total) is
+    called during the prefill, in prompt tokens (see tokens_progress).
     """
     check_sampling(temperature, top_k, top_p)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     batched = isinstance(prompt, list) and len(prompt) > 0 and not isinstance(prompt[0], int)
+    policy = make(policy) if isinstance(policy, str) else policy  # a bad spec fails before tokenizing
     prompts = [encode_prompt(tokenizer, p, chat) for p in (prompt if batched else [prompt])]
     context = model.cfg.max_position_embeddings
     longest = max(len(p) for p in prompts)
     if longest > context:
         raise ValueError(f"the prompt has {longest} tokens, {longest - context} more than the model's context of {context}")
-    policy = make(policy) if isinstance(policy, str) else policy
     policy.bind(model.cfg, device=model.device, dtype=model.dtype, max_len=longest + max_new_tokens,
                 batch_size=len(prompts))
     device = model.device
@@ -159,8 +188,18 @@ def generate(model, tokenizer, prompt, policy="full", max_new_tokens: int = 128,
                                       (temperature, top_k, top_p), generator, on_token)
     total = time.perf_counter() - t0
     stats = generation_stats(policy, prompts, new, ttft, step_times, total, model)
-    results = [GenerationResult(tokenizer.decode([t for t in row if t not in eos_ids]), row, stats) for row in new]
-    return results if batched else results[0]
+    texts = [tokenizer.decode([t for t in row if t not in eos_ids]) for row in new]
+    if not batched:
+        return GenerationResult(texts[0], new[0], stats)
+    rows = [GenerationResult(text, row, sequence_stats(p, row, eos_ids, max_new_tokens))
+            for text, row, p in zip(texts, new, prompts)]
+    return BatchResults(rows, stats)
+
+
+def sequence_stats(prompt: list[int], new: list[int], eos_ids, max_new_tokens: int) -> dict:
+    """One sequence of a batch: its own counts (its timing is the batch's)."""
+    finish = "eos" if new and new[-1] in eos_ids else "length"
+    return {"prompt_tokens": len(prompt), "new_tokens": len(new), "finish": finish}
 
 
 def weight_bytes_per_step(model) -> int:
@@ -184,13 +223,14 @@ def decode_bandwidth(bytes_per_step: float, tpot_s: float, read_bandwidth: float
 
 def generation_stats(policy, prompts, new, ttft, step_times, total, model=None) -> dict:
     n_new = sum(len(row) for row in new)
-    tpot = sum(step_times) / len(step_times) if step_times else float("nan")
+    tpot = sum(step_times) / len(step_times) if step_times else None
     stats = {
         "prompt_tokens": sum(len(p) for p in prompts),
         "new_tokens": n_new,
         "ttft_s": ttft,
         "tpot_s": tpot,
-        "tokens_per_s": (len(new) / tpot) if step_times else float("nan"),
+        "tokens_per_s": len(new) / tpot if tpot else None,  # all rows advance one token per step
+        "prefill_tokens_per_s": sum(len(p) for p in prompts) / ttft if ttft > 0 else None,
         "total_s": total,
     }
     stats.update(policy.stats())

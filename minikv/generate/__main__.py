@@ -1,8 +1,11 @@
-"""python -m minikv.generate --model smollm2 --prompt "..." [--chat] [--policy SPEC] [--stats]
+"""python -m minikv.generate --prompt "..." [--chat] [--policy SPEC] [--stats]
 
-Streams the generated text to stdout as it is produced; --stats prints a table of speed and
-KV-cache numbers on stderr, --json prints the result as JSON on stdout instead of the text.
-Ctrl-C stops generation and keeps what was generated.
+Streams the generated text to stdout as it is produced, then prints one summary line on stderr
+(prompt and prefill speed, new tokens and decode speed, the policy, the KV cache on each tier);
+--quiet leaves the summary out, --stats adds the full table, --json prints the result as JSON on
+stdout instead of the text. Every flag is checked before the model loads. Ctrl-C stops
+generation and keeps what was generated (exit code 130); a bad flag or input prints one line
+`error: ...` and exits with 2.
 """
 from __future__ import annotations
 
@@ -10,20 +13,43 @@ import argparse
 import json
 import sys
 
-from . import check_sampling, decode_bandwidth, generate
-from ..policies import make
+import torch
+
+from . import DEFAULT_MAX_NEW_TOKENS, check_sampling, decode_bandwidth, generate
+from ..cli import check_common, check_positive, run_command
+
+DEFAULT_THREADS = 1  # see --threads
+
+
+def policy_epilog() -> str:
+    """The policies and their parameters with defaults, for --help."""
+    from ..policies.base import _REGISTRY, parameters
+
+    def show(value) -> str:
+        return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+    lines = ["policies (--policy NAME:key=value,...; the defaults shown):"]
+    for name in sorted(_REGISTRY):
+        params = [f"{k}={show(p.default)}" for k, p in parameters(_REGISTRY[name]).items()]
+        lines.append(f"  {name:<11} {','.join(params)}")
+    lines.append("booleans take true/false, on/off, yes/no or 1/0.")
+    return "\n".join(lines)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m minikv.generate", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m minikv.generate", description=__doc__, epilog=policy_epilog(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help="'smollm2' (bundled), a HF safetensors directory or a .gguf file")
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2' (bundled SmolLM2-135M-Instruct), a HF safetensors directory or a .gguf file "
+                        "(default: %(default)s)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file ('-' for stdin)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--policy", default="full", help="KV-cache policy spec, e.g. 'streaming:sink=4,window=252'")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    p.add_argument("--policy", default="full", help="KV-cache policy spec, e.g. 'streaming:sink=4,window=252' "
+                                                   "(default: %(default)s; the list is below)")
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                   help="most tokens to generate (default: %(default)s, as minikv.generate)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
@@ -31,18 +57,43 @@ def parse_args(argv=None):
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence (benchmarks)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on CUDA and on CPUs with native bfloat16, else float32)")
-    p.add_argument("--stats", action="store_true", help="print speed and KV-cache statistics on stderr")
+    p.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                   help="torch CPU threads (default: %(default)s; on cores shared with other busy processes more "
+                        "threads can make decoding many times slower, see the README)")
+    p.add_argument("--stats", action="store_true", help="also print the full table of speed and KV-cache statistics")
+    p.add_argument("--quiet", action="store_true", help="no summary line on stderr")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of streaming text")
     return p.parse_args(argv)
 
 
 def read_prompt(args) -> str:
     if args.prompt is not None:
+        if not args.prompt.strip():
+            raise ValueError("the prompt is empty")
         return args.prompt
     if args.prompt_file == "-":
-        return sys.stdin.read()
-    with open(args.prompt_file, encoding="utf-8") as f:
-        return f.read()
+        text = sys.stdin.read()
+    else:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                text = f.read()
+        except FileNotFoundError:
+            raise FileNotFoundError(f"prompt file {args.prompt_file} does not exist") from None
+        except UnicodeDecodeError as err:
+            raise ValueError(f"prompt file {args.prompt_file} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+        except IsADirectoryError:
+            raise ValueError(f"prompt file {args.prompt_file} is a directory") from None
+    if not text.strip():
+        raise ValueError(f"the prompt in {args.prompt_file} is empty")
+    return text
+
+
+def check_args(args) -> str:
+    """Everything that needs no model, before it loads. Returns the prompt."""
+    check_common(args)  # --model --device --dtype --threads --policy
+    check_sampling(args.temperature, args.top_k, args.top_p)
+    check_positive("--max-new-tokens", args.max_new_tokens)
+    return read_prompt(args)
 
 
 class StreamPrinter:
@@ -60,7 +111,7 @@ class StreamPrinter:
                 sys.stdout.write(f"\n[rewind {-token} tokens]\n")
             self.stream = self.tokenizer.stream()
             for t in self.ids:
-                text = self.stream.push(t)
+                self.stream.push(t)
             return
         self.ids.append(token)
         if token in self.tokenizer.eos_ids:
@@ -71,33 +122,66 @@ class StreamPrinter:
             sys.stdout.flush()
 
 
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _rate(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def summary_line(stats: dict) -> str:
+    """One line, as llama-cli ends a run: what was read and how fast, what was generated and how
+    fast, and where the KV cache sits. KV tokens are per KV head, mean over layers; bytes are the
+    KV in use (all layers and heads), or the allocation where the policy does not report use."""
+    device_bytes = stats.get("device_bytes", 0)
+    host_bytes = stats.get("host_bytes", 0)
+    return (f"prompt {stats['prompt_tokens']} tokens, {_rate(stats.get('prefill_tokens_per_s'))} tok/s | "
+            f"generated {stats['new_tokens']} tokens, {_rate(stats.get('tokens_per_s'))} tok/s | "
+            f"policy {stats.get('policy', '?')} | "
+            f"device KV {stats.get('device_tokens', 0):.0f} tokens, {human_bytes(device_bytes)} | "
+            f"host KV {stats.get('host_tokens', 0):.0f} tokens, {human_bytes(host_bytes)}")
+
+
 def print_stats(stats: dict) -> None:
+    """The full table: byte counts in human units, missing values (a single-token run has no
+    time per token) as '-'."""
     rows = [(k, v) for k, v in stats.items() if not isinstance(v, (list, dict))]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
-        shown = f"{v:.4g}" if isinstance(v, float) else str(v)
+        if v is None:
+            shown = "-"
+        elif "bytes" in k and isinstance(v, (int, float)) and not isinstance(v, bool):
+            shown = human_bytes(v)
+        elif isinstance(v, float):
+            shown = f"{v:.4g}"
+        else:
+            shown = str(v)
         print(f"{k:<{width}}  {shown}", file=sys.stderr)
 
 
 def main(argv=None) -> int:
+    args = parse_args(argv)
+    prompt = check_args(args)
+    torch.set_num_threads(args.threads)
+
     from ..loading import load
     from ..progress import progress_bar
 
-    args = parse_args(argv)
-    try:
-        prompt = read_prompt(args)
-        model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
-        check_sampling(args.temperature, args.top_k, args.top_p)
-        make(args.policy)  # a bad spec fails here, before any work
-    except (ValueError, OSError, ModuleNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
     printer = StreamPrinter(tokenizer, enabled=not args.json)
-    bar = progress_bar(total=model.cfg.n_layers, desc="prefill", enabled=None)  # shown on a terminal
+    bar = None
 
-    def progress(layer: int, n_layers: int) -> None:  # called after each layer of the prefill
-        bar.update(1)
-        if layer == n_layers:
+    def progress(done: int, total: int) -> None:  # prefill progress, in prompt tokens
+        nonlocal bar
+        if bar is None:
+            bar = progress_bar(total=total, desc="prefill", unit="tok", enabled=None)  # on a terminal only
+        bar.update(done - bar.n)
+        if done >= total:
             bar.close()  # erase the bar before the first token is printed on its line
 
     interrupted = False
@@ -106,21 +190,20 @@ def main(argv=None) -> int:
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                           chat=args.chat, stop_at_eos=not args.ignore_eos, on_token=printer, progress=progress)
         text, ids, stats = result.text, result.token_ids, result.stats
-    except ValueError as err:  # prompt past the context, impossible policy parameters
-        bar.close()
-        print(f"error: {err}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         interrupted = True
         ids = [t for t in printer.ids if t not in tokenizer.eos_ids]
         text, stats = tokenizer.decode(ids), {"interrupted": True, "new_tokens": len(ids)}
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
     if args.json:
         print(json.dumps({"text": text, "token_ids": ids, "stats": stats}))
     else:
         sys.stdout.write(printer.stream.flush() + "\n")
         sys.stdout.flush()
+    if not args.quiet and not interrupted:
+        print(summary_line(stats), file=sys.stderr)
     if args.stats and "bytes_per_token" in stats:  # the achieved bandwidth's share of the machine's
         from ..bench.common import measure_read_bandwidth
 
@@ -131,4 +214,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
+import warnings
 from types import ModuleType
 
 import torch
@@ -30,10 +32,50 @@ BACKENDS = ("eager", "triton")
 
 
 def check_backend(backend: str) -> str:
-    """Return `backend` if it names a backend, else raise a ValueError that lists them."""
+    """Return `backend` if it names a backend that can run here, else raise a ValueError.
+
+    backend="triton" without CUDA runs in Triton's interpreter: allowed (with a warning, once,
+    that it is slow) when the interpreter is in effect; refused at once when triton was imported
+    in compiled mode, because it would only fail at the first kernel call, mid-generation."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; expected one of: " + ", ".join(map(repr, BACKENDS)))
+    if backend == "triton" and not torch.cuda.is_available():
+        if not interpreter_in_effect():
+            raise ValueError(
+                "backend='triton' without a CUDA device needs Triton's interpreter, and triton was imported "
+                "before it was selected: set TRITON_INTERPRET=1 in the environment (or import minikv before "
+                "triton), or use backend=eager")
+        global _warned_slow
+        if not _warned_slow:
+            _warned_slow = True
+            warnings.warn("backend=triton without CUDA runs Triton's interpreter: same results, but seconds "
+                          "per token; backend=eager is the fast CPU path", stacklevel=3)
     return backend
+
+
+_warned_slow = False
+
+
+def select_interpreter_without_cuda() -> None:
+    """Without CUDA, Triton runs only in its interpreter: select it before anything imports triton.
+
+    Why this runs when minikv is imported: triton.jit picks interpreter or compiler when it
+    *decorates* a function, and triton.language's own helpers (tl.max, tl.sum, ...) are decorated
+    when triton is first imported, which torch does by itself (building a model on the meta device
+    imports torch._dynamo, which imports triton). An explicit TRITON_INTERPRET is left as it is."""
+    if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def interpreter_in_effect() -> bool:
+    """True when Triton kernels decorated from now on, and triton.language's helpers, interpret."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return False
+    if "triton" not in sys.modules:
+        return True  # triton will read the variable when it is imported
+    import triton.language.standard as standard
+
+    return type(standard.max).__name__ == "InterpretedFunction"
 
 
 def triton_interpreted() -> bool:

@@ -56,3 +56,14 @@ def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor
         out.stride(0), out.stride(1),
         Hq, D=D, BLOCK_S=triton.next_power_of_2(S), BLOCK_D=triton.next_power_of_2(D),
     )
+
+
+MAX_SPLITS = 64  # the merge holds all of a head's partials, (S, D), in registers
+
+
+def split_len_for(rows: int, n_sm: int, L_cap: int, block_n: int) -> int:
+    """Slots per split-K program of a decode kernel whose grid has `rows` programs per split:
+    enough splits for ~2 programs per SM, none shorter than 256 slots, at most MAX_SPLITS, and a
+    whole number of block_n tiles."""
+    splits = max(1, min(triton.cdiv(2 * n_sm, rows), triton.cdiv(L_cap, 256), MAX_SPLITS))
+    return triton.cdiv(triton.cdiv(L_cap, splits), block_n) * block_n

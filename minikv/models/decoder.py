@@ -45,8 +45,11 @@ class DecoderLM(nn.Module):
         decoding = policy is not None and policy.steps > 0
         if decoding and T != 1:
             raise ValueError(f"a decode step takes one token per sequence, got {T}")
-        # one cos/sin table for all layers; padding (-1) is never attended, any angle will do
-        cos, sin = self.rope.cos_sin(positions.clamp(min=0))  # (B, T, rotary_dim)
+        # one cos/sin table for all layers, at the positions the policy chooses (streaming: cache
+        # positions, so q and k are rotated once, where they will be read); padding (-1) is
+        # never attended, any angle will do
+        rope_positions = policy.rope_positions(positions) if policy is not None else positions
+        cos, sin = self.rope.cos_sin(rope_positions.clamp(min=0))  # (B, T, rotary_dim)
         rope = (cos[:, None], sin[:, None])  # broadcast over heads
         x = self.embed(input_ids)  # (B, T, C)
         for i, block in enumerate(self.blocks):

@@ -7,3 +7,4 @@ __all__ = ["LayerKV", "Policy", "StepAction", "Tiers", "available", "make", "reg
 from . import streaming  # noqa: F401
 from . import softfreeze  # noqa: F401
 from . import freekv  # noqa: F401
+from . import icecache  # noqa: F401

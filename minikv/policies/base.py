@@ -11,8 +11,9 @@ hands them to `policy.layer(i)`:
     q (B, n_heads, T, D)   k, v (B, n_kv_heads, T, D)   positions (B, T) int64   out like q
 
 `out` must be exactly what full attention returns over the tokens the policy lets that layer
-see. A policy that renumbers positions (streaming) re-rotates q and k itself with
-`self.rope.rotate_by`. After the last layer of each forward the generation loop calls
+see. Before the layers run, the model asks `policy.rope_positions(positions)` where to rotate q
+and k: the absolute positions for every policy but one that renumbers (streaming), which answers
+with cache positions, so that a token is rotated once, where it will be read. After the last layer of each forward the generation loop calls
 `policy.end_step(logits)`; `policy.stats()` reports tiers and events at any time.
 
 Tiers: `device` is where attention runs (the model's device); `host` is CPU memory, pinned when
@@ -98,6 +99,21 @@ class LayerKV(ABC):
         """Token slots reserved on the device tier (preallocation counts)."""
         return self.device_tokens()
 
+    def allocated_host_tokens(self) -> int:
+        """Token slots reserved on the host tier (a preallocated host buffer counts in full)."""
+        return self.host_tokens()
+
+    def aux_bytes(self) -> tuple[int, int]:
+        """(device, host) bytes this layer holds besides K and V slots: digests, trees, index
+        tensors, staging buffers. Counted in the allocated figures of `Policy.stats`."""
+        return 0, 0
+
+    def attended_indices(self) -> torch.Tensor | None:
+        """(Hkv, n) int64: the absolute indices of the tokens the last decode step's attention
+        read, per KV head, -1 as padding; None when the layer reads every token. What attention
+        recall (the share of full attention's mass a policy keeps) is measured against."""
+        return None
+
 
 class Policy(ABC):
     """Base of all policies. Subclasses set `name`, take their parameters as keyword-only
@@ -152,6 +168,11 @@ class Policy(ABC):
     def bound(self) -> bool:
         return self.cfg is not None
 
+    def rope_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions (B, T) absolute -> the positions at which the model rotates this forward's
+        q and k. Every policy that keeps absolute positions returns them as they are."""
+        return positions
+
     # -- per step --------------------------------------------------------------------------
     def end_step(self, logits: torch.Tensor | None = None) -> StepAction | None:
         """Called by the generation loop after every forward (prefill included)."""
@@ -166,16 +187,30 @@ class Policy(ABC):
     def _mean(self, fn) -> float:
         return sum(fn(layer) for layer in self.layers) / max(len(self.layers), 1)
 
+    def aux_bytes(self) -> tuple[int, int]:
+        """(device, host) bytes of buffers the policy shares between its layers (scratch,
+        staging). Counted in the allocated figures of `stats`."""
+        return 0, 0
+
     def token_bytes(self) -> int:
         """Bytes of K and V of one token in one layer, all KV heads."""
         return 2 * self.cfg.n_kv_heads * self.cfg.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
     def stats(self) -> dict:
         """Tiers (tokens per KV head, mean over layers; bytes summed over layers and the batch)
-        plus what the policy did. Subclasses extend with their own counters."""
+        plus what the policy did. Subclasses extend with their own counters.
+
+        Two byte figures per tier, the same way on both:
+          device_bytes, host_bytes          K and V of the tokens held there now (used)
+          device_bytes_allocated, ...       K and V slots reserved there (preallocated buffers
+                                            in full) plus the policy's aux_bytes (digests,
+                                            trees, staging buffers, shared scratch)"""
         per_layer_device = [layer.device_tokens() for layer in self.layers]
         per_layer_host = [layer.host_tokens() for layer in self.layers]
-        rows = self.batch_size
+        rows, tb = self.batch_size, self.token_bytes()
+        aux_device, aux_host = self.aux_bytes()
+        aux_device += sum(layer.aux_bytes()[0] for layer in self.layers)
+        aux_host += sum(layer.aux_bytes()[1] for layer in self.layers)
         return {
             "policy": self.name,
             "device_tokens": sum(per_layer_device) / len(self.layers),
@@ -184,10 +219,11 @@ class Policy(ABC):
             # KV bytes attention read per decode step, mean over the steps (all layers and rows),
             # with each step's device tokens counted after the step (a policy that prunes after
             # attention, like streaming, read up to its prune size more)
-            "kv_bytes_read_per_step": (rows * self.cfg.n_layers * self.token_bytes()
-                                       * self._decode_device_tokens / max(self.steps - 1, 1)),
-            "device_bytes": rows * sum(l.allocated_device_tokens() for l in self.layers) * self.token_bytes(),
-            "host_bytes": rows * sum(per_layer_host) * self.token_bytes(),
+            "kv_bytes_read_per_step": rows * self.cfg.n_layers * tb * self._decode_device_tokens / max(self.steps - 1, 1),
+            "device_bytes": round(rows * sum(per_layer_device) * tb),
+            "host_bytes": round(rows * sum(per_layer_host) * tb),
+            "device_bytes_allocated": rows * sum(l.allocated_device_tokens() for l in self.layers) * tb + aux_device,
+            "host_bytes_allocated": rows * sum(l.allocated_host_tokens() for l in self.layers) * tb + aux_host,
             "bytes_to_host": self.tiers.bytes_to_host,
             "bytes_to_device": self.tiers.bytes_to_device,
             "device_tokens_per_layer": per_layer_device,
@@ -209,12 +245,49 @@ def available() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def _parse_value(text: str):
-    low = text.lower()
-    if low in ("true", "false", "on", "off", "yes", "no"):
-        return low in ("true", "on", "yes")
-    if low == "none":
+TRUE_WORDS, FALSE_WORDS = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
+
+
+def _value_type(param: inspect.Parameter) -> tuple[str | None, bool]:
+    """(the parameter's base type name: 'bool', 'int', 'float', 'str' or None if unknown, whether
+    None is allowed), from its annotation (a string under `from __future__ import annotations`)
+    or else from its default."""
+    ann = param.annotation
+    text = ann if isinstance(ann, str) else getattr(ann, "__name__", "" if ann is param.empty else str(ann))
+    text = text.replace("Optional[", "").replace("]", "")
+    parts = {t.strip() for t in text.split("|") if t.strip()}
+    nullable = "None" in parts or param.default is None
+    parts.discard("None")
+    if parts == {"int", "float"}:
+        parts = {"float"}
+    if len(parts) == 1 and next(iter(parts)) in ("bool", "int", "float", "str"):
+        return next(iter(parts)), nullable
+    if param.default is not None and param.default is not param.empty:
+        return type(param.default).__name__, nullable
+    return None, nullable
+
+
+def _parse_value(text: str, kind: str | None = None, nullable: bool = False, where: str = "value"):
+    """A spec's value as the parameter's type. Booleans take only true/false, on/off, yes/no,
+    1/0; an int parameter given 1 gets 1. kind=None (type unknown): the first of bool word,
+    none, int, float that fits, else the string."""
+    low = text.strip().lower()
+    if low == "none" and (nullable or kind is None):
         return None
+    if kind == "bool":
+        if low in TRUE_WORDS or low in FALSE_WORDS:
+            return low in TRUE_WORDS
+        raise ValueError(f"{where} is a boolean: use true/false, on/off, yes/no or 1/0, got {text!r}")
+    if kind in ("int", "float"):
+        try:
+            return int(text) if kind == "int" else float(text)
+        except ValueError:
+            article = "an integer" if kind == "int" else "a number"
+            raise ValueError(f"{where} must be {article}{' or none' if nullable else ''}, got {text!r}") from None
+    if kind == "str":
+        return text
+    if low in ("true", "false", "on", "off", "yes", "no"):
+        return low in TRUE_WORDS
     for convert in (int, float):
         try:
             return convert(text)
@@ -231,7 +304,9 @@ def parameters(cls: type[Policy]) -> dict[str, inspect.Parameter]:
 def make(spec: "str | Policy", **overrides) -> Policy:
     """Build a policy from a spec string "name:key=value,key=value" (or pass a Policy through).
 
-    Unknown names or parameters raise ValueError listing what exists.
+    Unknown names or parameters raise ValueError listing what exists; each value is parsed as
+    its parameter's type (annotation or default), so `speculative=maybe` or `window=abc` fail
+    here, with no model, as does whatever the policy's __init__ refuses.
     """
     if isinstance(spec, Policy):
         return spec
@@ -251,7 +326,8 @@ def make(spec: "str | Policy", **overrides) -> Policy:
             raise ValueError(f"policy parameter {item!r} in {spec!r} is not of the form key=value")
         if key not in known:
             raise ValueError(f"policy {name!r} has no parameter {key!r}; parameters: {', '.join(known)}")
-        kwargs[key] = _parse_value(value.strip())
+        kind, nullable = _value_type(known[key])
+        kwargs[key] = _parse_value(value.strip(), kind, nullable, where=f"policy {name!r}: {key}")
     for key in overrides:
         if key not in known:
             raise ValueError(f"policy {name!r} has no parameter {key!r}; parameters: {', '.join(known)}")

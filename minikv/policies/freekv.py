@@ -1,39 +1,44 @@
-"""freekv: speculative page retrieval with fine-grained correction (FreeKV, ICLR 2026; paper 002).
+"""freekv: speculative page retrieval with fine-grained correction.
+
+Paper: "FreeKV: Boosting KV Cache Retrieval for Efficient LLM Inference" (G. Liu, C. Li, Z. Ning,
+J. Lin, Y. Yao, D. Ke, M. Guo, J. Zhao; ICLR 2026; https://arxiv.org/abs/2505.13109), with the
+page bounds of "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference" (J. Tang
+et al., ICML 2024; https://arxiv.org/abs/2406.10774) and "ArkVale: Efficient Generative LLM
+Inference with Recallable Key-Value Eviction" (R. Chen et al., NeurIPS 2024).
 
 The full KV cache is offloaded to the host tier in pages of 32 tokens (paged.py); the device tier
-keeps the sink pages, the recent window (its last page partly filled) and, per KV head, the
-`budget` worth of pages chosen by a Quest-style selection:
+keeps the sink pages, the recent window and, per KV head, the `budget` worth of pages chosen by
+a Quest-style selection:
 
   * page score per query head, P_h[n] = sum_d max(q_d lo_{n,d}, q_d hi_{n,d}), over per-channel
-    key boxes (min/max, or ArkVale's box), and *group-consistent selection*: softmax over pages
-    per query head, mean over the GQA group, top-k per KV head, so that a group reads one set of
-    pages (kernels/page_scores; the paper's S_m = sum_j softmax(P_{(m-1)G+j}) / G).
+    key boxes (ArkVale's box by default, Quest's min/max as an option), and *group-consistent
+    selection*: softmax over pages per query head, mean over the GQA group, top-k per KV head, so
+    that a group reads one set of pages (kernels/page_scores; the paper's
+    S_m = sum_j softmax(P_{(m-1)G+j}) / G).
   * speculative retrieval: step t attends with the pages selected with q_{t-1}; selection with
-    q_t and the recall of its missing pages run *after* step t's attention, for step t + 1 (on a
-    CUDA side stream they overlap the rest of the forward; on the CPU they run in order).
+    q_t and the recall of its missing pages run *after* step t's attention, for step t + 1 (on
+    CUDA the copy overlaps the rest of the forward on a side stream, while the choice of pages
+    waits for its top-k on the host: paged.py says exactly what overlaps).
   * fine-grained correction: per KV head m, C_m = mean over the group of cos(q_t, q_{t-1}); where
     C_m < tau the head's pages are selected with q_t and recalled *before* attention. If any head
     needs it, the selection runs once for all KV heads and the others reuse it for the background
     recall (as the paper does).
 
 `speculative=off` is plain Quest-style retrieval on the same machinery: select with q_t and recall
-before every attention. Budget (DESIGN.md): the most tokens per KV head per layer that attention
-reads on the device, sink and window included, so budget = sink + window + P * (selected pages).
-Layers below `skip_layers` keep full KV. Prefill attention is dense over the prompt (as Quest and
-FreeKV); retrieval governs decoding. Decision where the paper is vague: the page softmax uses the
-attention scale 1/sqrt(D) on P_h, as the page's would-be attention logit.
+before every attention. Layers below `skip_layers` keep full KV. Prefill attention is dense over
+the prompt (as Quest and FreeKV); retrieval governs decoding. Decision where the paper is vague:
+the page softmax uses the attention scale 1/sqrt(D) on P_h, as the page's would-be attention logit.
 
-Measured on SmolLM2 (README, passkey at 4,000 tokens, 15 trials per budget): the min/max bound
-can be loose enough to hide the one page that matters. Post-RoPE keys of the fast-rotating
-channels sweep most of their range within a 32-token page, so every page's box is wide: in one
-trial, one KV head of layer 18 puts 0.73 of its attention on the key's page, yet every page's
-bound is 36-55 against true largest logits of about -10 (filler) and +6..+11 (the key's page),
-and the key's page ranks 15th for the group. Over that trial's decoding, min/max leaves a page
-holding > 0.3 of a head's attention out of the top 6 in 6 of 571 cases (the softmax scale and
-the group reduction change nothing), ArkVale's box in none. Accuracy (min/max / arkvale / full KV):
-12/14/15 at budget 128, 14/15/15 at 256, 14/15/15 at 512. min/max stays the default because it is
-the paper's digest (the Quest bound FreeKV builds on); `digest=arkvale` is the one that matches
-full KV here.
+Budget and window (DESIGN.md): `window` is a token count, and the last `window` tokens are always
+attended, never fewer: the device ring holds window / P full pages plus the partly filled last
+page, so it reads between window + 1 and window + P recent tokens. `budget` is the most tokens per
+KV head per layer that attention reads on the device, so budget = sink + window + P (the partial
+page) + P * (selected pages).
+
+The digest. Post-RoPE keys of the fast-rotating channels sweep most of their range within a page,
+so Quest's min/max box is wide for every page and can hide the one page that matters; ArkVale's box
+(centre +- mean |k - centre|) is tighter and is what FreeKV's system code uses. The README's passkey
+table measures both on SmolLM2: arkvale matches full KV where min/max misses keys.
 """
 from __future__ import annotations
 
@@ -46,7 +51,7 @@ import torch.nn.functional as F
 from ..kernels.page_scores import GROUP_REDUCES, page_scores
 from .base import LayerKV, Policy, dense_attention, register
 from .full import FullLayer
-from .paged import DIGESTS, PagedKV
+from .paged import DIGESTS, PagedKV, Staging
 
 
 class FreeKVLayer(LayerKV):
@@ -55,8 +60,9 @@ class FreeKVLayer(LayerKV):
         cfg, P = policy.cfg, policy.page_size
         self.K = policy.n_select
         self.kv = PagedKV(n_kv=cfg.n_kv_heads, head_dim=cfg.head_dim, page_size=P, max_len=policy.max_len,
-                          n_sink=policy.sink // P, n_select=self.K, n_window=policy.window // P,
-                          dtype=policy.dtype, tiers=policy.tiers, digest=policy.digest, backend=policy.backend)
+                          n_sink=policy.sink // P, n_select=self.K, n_window=policy.window // P + 1,
+                          dtype=policy.dtype, tiers=policy.tiers, digest=policy.digest, backend=policy.backend,
+                          staging=policy.staging)
         self.G = cfg.n_heads // cfg.n_kv_heads
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.prev_q = None  # (Hq, D) the previous step's query, float32, each head of unit norm
@@ -160,6 +166,15 @@ class FreeKVLayer(LayerKV):
     def allocated_device_tokens(self) -> int:
         return self.kv.S * self.kv.P
 
+    def allocated_host_tokens(self) -> int:
+        return self.kv.max_pages * self.kv.P  # the host tier is preallocated for max_len
+
+    def aux_bytes(self) -> tuple[int, int]:
+        return self.kv.aux_bytes()
+
+    def attended_indices(self) -> torch.Tensor:
+        return self.kv.read_indices()
+
 
 @register
 class FreeKV(Policy):
@@ -170,7 +185,7 @@ class FreeKV(Policy):
 
     def __init__(self, *, page_size: int = 32, budget: int = 256, sink: int = 32, window: int = 32,
                  tau: float = 0.9, speculative: bool = True, group_reduce: str = "softmax_mean",
-                 digest: str = "minmax", skip_layers: int = 0, backend: str = "eager"):
+                 digest: str = "arkvale", skip_layers: int = 0, backend: str = "eager"):
         super().__init__(backend=backend)
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
@@ -179,9 +194,9 @@ class FreeKV(Policy):
                 raise ValueError(f"{name} must be a non-negative multiple of page_size={page_size}, got {value!r}")
         if window < page_size:
             raise ValueError(f"window must be >= page_size={page_size} (the partly filled last page), got {window}")
-        if budget < sink + window + page_size:
-            raise ValueError(f"budget must be >= sink + window + page_size = {sink + window + page_size} "
-                             f"(at least one selected page), got {budget}")
+        if budget < sink + window + 2 * page_size:  # + the partly filled last page + one selected
+            raise ValueError(f"budget must be >= sink + window + 2 * page_size = {sink + window + 2 * page_size} "
+                             f"(the partly filled last page and at least one selected page), got {budget}")
         if not -1.0 <= tau <= 1.0:
             raise ValueError(f"tau is a cosine-similarity threshold in [-1, 1], got {tau}")
         if group_reduce not in GROUP_REDUCES:
@@ -191,7 +206,7 @@ class FreeKV(Policy):
         if not isinstance(skip_layers, int) or skip_layers < 0:
             raise ValueError(f"skip_layers must be an int >= 0 (the first layers keep full KV), got {skip_layers!r}")
         self.page_size, self.budget, self.sink, self.window = page_size, budget, sink, window
-        self.n_select = (budget - sink - window) // page_size
+        self.n_select = (budget - sink - window) // page_size - 1  # one page for the partial last one
         self.tau, self.speculative, self.group_reduce = float(tau), bool(speculative), group_reduce
         self.digest, self.skip_layers = digest, skip_layers
 
@@ -208,7 +223,13 @@ class FreeKV(Policy):
         self.t_select = self.t_recall = 0.0
 
     def make_layer(self, index: int) -> LayerKV:
+        if index == 0:  # one pair of staging buffers for all layers (they recall one after another)
+            self.staging = Staging(self.cfg.n_kv_heads * self.n_select, self.page_size, self.cfg.head_dim,
+                                   self.dtype, self.tiers)
         return FullLayer(self, index) if index < self.skip_layers else FreeKVLayer(self, index)
+
+    def aux_bytes(self) -> tuple[int, int]:
+        return self.staging.nbytes()
 
     def stats(self) -> dict:
         s = super().stats()

@@ -7,7 +7,9 @@ Three kinds of pages, each with its own home:
     window pages    the n_window most recent pages, the last one partly filled: on the device
                     tier, in a ring of slots; when the last page fills up and the ring is full,
                     the oldest window page is *offloaded*: copied to the host tier in HND layout
-                    and summarised by a digest, after which it is a *candidate*
+                    and summarised by a digest, after which it is a *candidate*. So attention
+                    reads between (n_window - 1) P + 1 and n_window P of the latest tokens: a
+                    policy that promises a window of W tokens asks for W / P + 1 pages
     candidates      pages that left the window: their full KV lives on the host tier, and
                     `recall` brings a chosen few per KV head back into n_select device slots
 
@@ -26,10 +28,19 @@ ArkVale's box around the centre, centre +- mean |k - centre| ("arkvale").
 
 Recall is incremental: given a new selection per KV head, only the pages not already resident are
 copied, into the slots of resident pages that fell out of the selection (those with the lowest
-current scores). On CUDA the copy runs on a side stream through two pinned staging buffers used in
-turn, with events, so it overlaps compute; `wait_recall` makes the main stream wait before the next
-attention. On the CPU the same steps run in order (host and device are both CPU memory: the
-copies happen and are counted, nothing is saved).
+current scores). On the CPU the steps run in order (host and device are both CPU memory: the
+copies happen and are counted, nothing is saved). On CUDA, what overlaps and what does not:
+
+  * the choice of pages (the top-k in page_scores) runs on the main stream, and the host waits
+    for its result (`.cpu()`, one small sync per layer): the slot bookkeeping is host-side;
+  * the copy does not block: gather into one of two pinned staging buffers used in turn, one
+    host-to-device transfer and the HND -> NHD scatter, on the side stream for a background
+    recall (it overlaps the rest of the forward) or on the main stream for a correction;
+  * every recall is ordered after the previous one, whichever stream each ran on (one `ready`
+    event chains them), because two recalls may write the same slot: a late background write
+    must never land over a newer correction. `wait_recall` makes attention wait for the last
+    recall, hence for all of them. `streams` is injectable so that tests can record this order
+    on a machine without a GPU.
 """
 from __future__ import annotations
 
@@ -37,8 +48,10 @@ import math
 
 import torch
 
+from ..kernels.page_gather import page_gather
 from ..kernels.page_layout import hnd_to_nhd, nhd_to_hnd
 from ..kernels.paged_attention import paged_attention
+from .streams import CudaStreams
 
 DIGESTS = ("minmax", "arkvale")
 
@@ -55,11 +68,35 @@ def page_digest(k: torch.Tensor, kind: str = "minmax") -> tuple[torch.Tensor, to
     raise ValueError(f"digest must be one of {DIGESTS}, got {kind!r}")
 
 
+class Staging:
+    """The two staging buffers recalls use in turn: pinned host and device, (n, 2, P, D) each.
+
+    One per policy, not per layer: layers run one after another, and a buffer is refilled only
+    after the host has waited for the copy that last read it (`free`, on CUDA), whichever layer
+    issued that copy. Per layer they would cost as much memory as the selected pages themselves."""
+
+    def __init__(self, n: int, page_size: int, head_dim: int, dtype: torch.dtype, tiers):
+        shape = (max(1, n), 2, page_size, head_dim)
+        self.host = [torch.empty(shape, dtype=dtype, pin_memory=tiers.pin) for _ in range(2)]
+        self.dev = [torch.empty(shape, dtype=dtype, device=tiers.device) for _ in range(2)]
+        self.free = None  # CUDA events, one per buffer: recorded after the copy that reads it
+        self.turn = 0
+
+    def take(self) -> int:
+        """The buffer to fill next; the other one may still be in flight."""
+        self.turn ^= 1
+        return self.turn ^ 1
+
+    def nbytes(self) -> tuple[int, int]:
+        return sum(t.numel() * t.element_size() for t in self.dev), sum(t.numel() * t.element_size() for t in self.host)
+
+
 class PagedKV:
     """Paged KV of one layer for one sequence (batch 1). See the module docstring."""
 
     def __init__(self, *, n_kv: int, head_dim: int, page_size: int, max_len: int, n_sink: int, n_select: int,
-                 n_window: int, dtype: torch.dtype, tiers, digest: str = "minmax", backend: str = "eager"):
+                 n_window: int, dtype: torch.dtype, tiers, digest: str = "arkvale", backend: str = "eager",
+                 staging: Staging | None = None, streams=None):
         if n_window < 1:
             raise ValueError(f"n_window must be >= 1 (the partly filled last page is always attended), got {n_window}")
         if digest not in DIGESTS:
@@ -86,15 +123,23 @@ class PagedKV:
         self.n_cand = 0  # pages offloaded so far = candidates
         self.n_cand_tensor = torch.zeros(1, dtype=torch.int64, device=dev)  # the same, as page_scores' n_valid
         self.pages_recalled = 0
-        self.cuda = dev.type == "cuda"
-        self._buf = 0
-        n_stage = max(1, H * n_select)  # one recall moves at most every selected slot of every head
-        self.stage_host = [torch.empty(n_stage, 2, P, D, dtype=dtype, pin_memory=tiers.pin) for _ in range(2)]
-        self.stage_dev = [torch.empty(n_stage, 2, P, D, dtype=dtype, device=dev) for _ in range(2)]
-        if self.cuda:
-            self.side = torch.cuda.Stream(device=dev)
-            self.buf_free = [torch.cuda.Event(), torch.cuda.Event()]
-            self.ready = torch.cuda.Event()
+        # the gather reads the host tier: Triton can address it only when it is not CPU memory
+        # beside a GPU (on a CPU-only machine the kernel runs in Triton's interpreter)
+        self.gather_backend = "eager" if dev.type == "cuda" else backend
+        # one recall moves at most every selected slot of every head; policies share one Staging
+        self.staging = staging if staging is not None else Staging(H * n_select, P, D, dtype, tiers)
+        self.use_streams(streams if streams is not None else (CudaStreams(dev) if dev.type == "cuda" else None))
+        self.last_read = (0, 0, [[-1] * n_select for _ in range(H)])  # what the last attend() read
+
+    def use_streams(self, streams) -> None:
+        """The stream API of the asynchronous recall path: CUDA's, or a recorder in tests; None
+        runs every copy in order on the calling thread (the CPU)."""
+        self.streams = streams
+        if streams is not None:
+            self.side = streams.stream()
+            if self.staging.free is None:
+                self.staging.free = [streams.event(), streams.event()]
+            self.ready = streams.event()  # recorded after every recall: the end of the chain
 
     # -- where pages live --------------------------------------------------------------------
     def slot_of(self, page: int) -> int:
@@ -225,40 +270,63 @@ class PagedKV:
         # flat (n,) rows of host viewed as (max_pages * Hkv, 2, P, D): gather the blocks into a
         # staging buffer (one contiguous host read per block), copy it to the device in one
         # transfer, then the HND -> NHD kernel scatters the blocks into their slots.
-        n, buf = flat.numel(), self._buf
-        self._buf ^= 1  # two staging buffers in turn: the next gather need not wait for this copy
+        n, stage = flat.numel(), self.staging
+        buf = stage.take()  # two staging buffers in turn: the next gather need not wait for this copy
         host_rows = self.host.view(-1, 2, self.P, self.D)
-        if not self.cuda:
-            torch.index_select(host_rows, 0, flat, out=self.stage_host[buf][:n])
-            blocks = self.stage_dev[buf][:n]
-            blocks.copy_(self.stage_host[buf][:n])
+        if self.streams is None:
+            page_gather(host_rows, flat, stage.host[buf], backend=self.gather_backend)
+            blocks = stage.dev[buf][:n]
+            blocks.copy_(stage.host[buf][:n])
             self.tiers.bytes_to_device += blocks.numel() * blocks.element_size()
             hnd_to_nhd(blocks, self.k_pages, self.v_pages, slots, heads, backend=self.backend)
             return
-        self.buf_free[buf].synchronize()  # the transfer that last read this pinned buffer is done
-        torch.index_select(host_rows, 0, flat, out=self.stage_host[buf][:n])
-        main = torch.cuda.current_stream()
+        S = self.streams
+        stage.free[buf].synchronize()  # the copy that last read this buffer (any layer's) is done
+        page_gather(host_rows, flat, stage.host[buf], backend=self.gather_backend)
+        main = S.current()
         stream = self.side if background else main
         stream.wait_stream(main)  # selection, and this step's attention over the old slots, first
-        with torch.cuda.stream(stream):
-            blocks = self.stage_dev[buf][:n]
-            blocks.copy_(self.stage_host[buf][:n], non_blocking=True)
+        stream.wait_event(self.ready)  # the previous recall into these slots, on whichever stream
+        with S.use(stream):
+            blocks = stage.dev[buf][:n]
+            blocks.copy_(stage.host[buf][:n], non_blocking=True)
             hnd_to_nhd(blocks, self.k_pages, self.v_pages, slots.to(blocks.device, non_blocking=True),
                        heads.to(blocks.device, non_blocking=True), backend=self.backend)
-            self.buf_free[buf].record(stream)
+            stage.free[buf].record(stream)
             self.ready.record(stream)
         self.tiers.bytes_to_device += n * 2 * self.P * self.D * blocks.element_size()
 
     def wait_recall(self) -> None:
-        """Before attention: the main stream waits for a background recall into these slots."""
-        if self.cuda:
-            torch.cuda.current_stream().wait_event(self.ready)
+        """Before attention: the main stream waits for the last recall (each waited for the one
+        before it, so this covers every recall into these slots)."""
+        if self.streams is not None:
+            self.streams.current().wait_event(self.ready)
 
     # -- reading -----------------------------------------------------------------------------
     def attend(self, q: torch.Tensor) -> torch.Tensor:
         """q (1, Hq, D) over every device slot with a token -> (1, Hq, D)."""
         self.wait_recall()
+        self.last_read = (self.length, self.n_cand, [list(row) for row in self.held])
         return paged_attention(q, self.k_pages, self.v_pages, self.page_table, self.page_lens, backend=self.backend)
+
+    def read_indices(self) -> torch.Tensor:
+        """(Hkv, n) int64: the token indices the last attend() read per KV head (sink pages,
+        selected candidates, window), -1 padding: what attention recall is measured against."""
+        length, n_cand, held = self.last_read
+        P, sink_end = self.P, min(length, self.n_sink * self.P)
+        window = list(range((self.n_sink + n_cand) * P, length))  # empty while the sinks hold all
+        rows = []
+        for h in range(self.Hkv):
+            pages = sorted(c for c in held[h] if c >= 0)
+            rows.append(list(range(sink_end)) + [t for c in pages for t in range((self.n_sink + c) * P,
+                                                                                 (self.n_sink + c + 1) * P)] + window)
+        width = max(map(len, rows))
+        return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int64)
+
+    def aux_bytes(self) -> tuple[int, int]:
+        """(device, host) bytes besides the K/V slots: digests, page table and lengths (the
+        staging buffers are the policy's: `Staging.nbytes`)."""
+        return sum(t.numel() * t.element_size() for t in (self.lo, self.hi, self.page_table, self.page_lens)), 0
 
     def host_page(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Candidate c's keys and values as stored on the host: (Hkv, P, D) each."""

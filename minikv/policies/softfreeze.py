@@ -1,5 +1,8 @@
-"""softfreeze: Adaptive Soft Rolling KV Freeze with Entropy-Guided Recovery (ASR-KF-EGR),
-papers/000 (Metinov et al.). Read beside Sections 3.2-3.6 and Algorithm 1.
+"""softfreeze: Adaptive Soft Rolling KV Freeze with Entropy-Guided Recovery (ASR-KF-EGR).
+
+Paper: "Adaptive Soft Rolling KV Freeze with Entropy-Guided Recovery: Sublinear Memory Growth for
+Efficient LLM Inference" (A. Metinov, G. M. Kudakeeva, B. uulu Nursultan, G. D. Kabaeva; arXiv
+preprint, 2025; https://arxiv.org/abs/2512.11221). Read beside Sections 3.2-3.6 and Algorithm 1.
 
 Every generation step, in every layer, each active token j gets a relevance (Eq. 2)
 
@@ -168,6 +171,14 @@ class SoftFreezeLayer(LayerKV):
 
     def allocated_device_tokens(self) -> int:
         return self.cap
+
+    def allocated_host_tokens(self) -> int:
+        return self.kv_host.shape[2]  # preallocated for max_len tokens: a frozen token never waits
+
+    def aux_bytes(self) -> tuple[int, int]:
+        # per-token bookkeeping on the device: counts, timers, freeze steps, history ring, slot maps
+        parts = [self.count, self.thaw_at, self.frozen_at, self.seen, self.slot_tok, self.slot_count]
+        return sum(t.numel() * t.element_size() for t in parts if t is not None), 0
 
     # -- Algorithm 1 -----------------------------------------------------------------------
     def schedule(self, s: torch.Tensor, now: int) -> None:

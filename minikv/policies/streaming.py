@@ -1,7 +1,8 @@
 """streaming: StreamingLLM's Start+Recent cache with Lazy Pruning, Slack and Max_Drop.
 
 Paper: "Efficient KV Cache Management for Long-Context LLM Inference: Lazy Pruning, Slack, and
-Staged Eviction" (papers/003), on top of StreamingLLM (Xiao et al., ICLR 2024).
+Staged Eviction" (anonymous authors, under review; no public link yet), on top of "Efficient Streaming Language Models with Attention Sinks" (StreamingLLM;
+G. Xiao, Y. Tian, B. Chen, S. Han, M. Lewis; ICLR 2024; https://arxiv.org/abs/2309.17453).
 
 Each layer keeps its keys (after RoPE) and values in one preallocated buffer of L tokens: the
 first S "sink" tokens, then a contiguous block of the most recent tokens. After every step the
@@ -12,11 +13,15 @@ the most recent L* - S tokens, L* = C, or min(max(L - max_drop, C), H) with Max_
 The plain StreamingLLM baseline is R = 1, slack = 0, max_drop = 0.
 
 Positions. A token's *cache position* is its slot: the sinks sit at 0..S-1, the recent block at
-S..L-1. The model hands over q and k rotated at their absolute positions p; the policy rotates
-them again by (cache position - p), and on every prune the whole recent block moves to the left
-by the number of dropped tokens, so its keys are rotated by that one constant delta (Eq. 4;
+S..L-1. The model asks `rope_positions` where to rotate a new token's q and k, and this policy
+answers with the slot the token is about to take, L: each new key is rotated once, at the
+position where it will be read, whatever its absolute position p (10^7 and beyond). Rotating at
+p and then back by (L - p) would not do: in float32 the angle p * inv_freq alone is off by up to
+p * 6e-8 radians, 0.6 at p = 10^7. On every prune the whole recent block moves to the left by the
+number of dropped tokens, so its keys are rotated by that one small constant delta (Eq. 4;
 rotations compose, R(a) R(b) = R(a + b), so the pre-RoPE key is never needed). Invariant, which
-the tests check: slot i holds RoPE(k_pre, i). Attention only ever sees positions < C + R.
+the tests check at p near 10^7: slot i holds RoPE(k_pre, i). Attention only ever sees positions
+< C + R.
 
 When pruning happens. After attention, at the end of each layer's step, as in StreamingLLM's
 evaluation loop (the cache is pruned after each forward, before the next one reads it). So
@@ -88,7 +93,6 @@ class StreamingLayer(LayerKV):
         self.k = torch.empty(shape, dtype=p.dtype, device=p.tiers.device)  # slot i: RoPE(k_pre, i)
         self.v = torch.empty(shape, dtype=p.dtype, device=p.tiers.device)
         self.n = 0  # cache length L
-        self.renumbered = False  # any prune yet: until then cache position == absolute position
         self.events = 0  # prune events (Algorithm 1 reaching line 17)
         self.dropped = 0  # tokens dropped over all events
         self.max_dropped = 0  # most tokens dropped by one event
@@ -123,7 +127,6 @@ class StreamingLayer(LayerKV):
                 dst_k.copy_(scratch)
                 dst_v.copy_(scratch.copy_(src_v))
         self.n = target
-        self.renumbered = True
         self.moves += 1
 
     def _after_step(self) -> None:
@@ -159,7 +162,7 @@ class StreamingLayer(LayerKV):
             else:
                 self.k[:, :, S:final] = k[:, :, T - n_recent:]
             self.v[:, :, S:final] = v[:, :, T - n_recent:]
-        self.n, self.renumbered = final, shift != 0
+        self.n = final
         self._record(drops)
         self.moves += bool(drops)
         return out
@@ -201,11 +204,8 @@ class StreamingLayer(LayerKV):
         return out
 
     def decode(self, q, k, v, positions):
-        # q (B, Hq, 1, D); k, v (B, Hkv, 1, D) rotated at positions (B, 1)
+        # q (B, Hq, 1, D); k, v (B, Hkv, 1, D) rotated at cache position n (`rope_positions`)
         n = self.n
-        if self.renumbered:  # the new token and the query take cache position n (Eq. 4)
-            delta = n - positions[:, 0]  # (1,) on the device: no host sync
-            q, k = self._rotate(q, delta), self._rotate(k, delta)
         self.k[:, :, n] = k[:, :, 0]
         self.v[:, :, n] = v[:, :, 0]
         self.n = n + 1
@@ -228,6 +228,7 @@ class Streaming(Policy):
     """Start+Recent (StreamingLLM) with Lazy Pruning (R), Slack and Max_Drop: Algorithm 1."""
 
     name = "streaming"
+    max_batch = 1  # one sequence: every row would need its own prune schedule and cache positions
 
     def __init__(self, *, sink: int = 4, window: int | None = None, R: int = 32, slack: int = 16,
                  max_drop: int = 32, budget: int | None = None, backend: str = "eager"):
@@ -263,6 +264,12 @@ class Streaming(Policy):
         """Most tokens attention reads per KV head: C + R, or None when R = 0 (no bound)."""
         return self.soft_capacity + self.R if self.R else None
 
+    def rope_positions(self, positions):
+        # positions (B, T) absolute. The prompt is rotated at 0..T-1 (the prefill replays the
+        # renumbering itself); a decoded token at the slot it takes, the cache length L
+        n = self.layers[0].n  # every layer prunes at the same steps: layer 0 speaks for all
+        return positions if n == 0 else torch.full_like(positions, n)
+
     def check_length(self, cfg, max_len: int) -> None:
         if self.R == 0:  # no pruning: positions grow like the full cache's
             super().check_length(cfg, max_len)
@@ -282,6 +289,9 @@ class Streaming(Policy):
             # one scratch for all layers (they run one after another): overlapping moves go through it
             self.scratch = torch.empty(shape, dtype=self.dtype, device=self.tiers.device)
         return StreamingLayer(self, index)
+
+    def aux_bytes(self) -> tuple[int, int]:
+        return self.scratch.numel() * self.scratch.element_size(), 0  # the compaction scratch, shared
 
     def stats(self) -> dict:
         out = super().stats()

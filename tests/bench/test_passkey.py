@@ -1,4 +1,5 @@
-"""passkey benchmark logic: prompt construction, scoring, budget handling (no model runs)."""
+"""passkey benchmark logic: prompt construction, scoring, budget handling (no model runs); and
+--shared-prefill answers exactly as separate runs do (SmolLM2, a short prompt)."""
 import pytest
 
 from minikv.bench.passkey import INSTRUCTION, build_prompt, draw_key, needle, score, with_budget
@@ -14,12 +15,13 @@ class CharTokenizer:
         return "".join(chr(i) for i in ids if i != 2)
 
 
+@pytest.mark.parametrize("filler", ["repeat", "pydoc"])
 @pytest.mark.parametrize("length", [400, 1001])
 @pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
-def test_prompt_has_the_length_and_the_key_at_its_depth(length, depth):
+def test_prompt_has_the_length_and_the_key_at_its_depth(length, depth, filler):
     tok = CharTokenizer()
     key = draw_key(3)
-    ids = build_prompt(tok, length, depth, key)
+    ids = build_prompt(tok, length, depth, key, filler)
     assert len(ids) == length
     text = tok.decode(ids)
     assert text.count(key) == 2 and text.endswith("The pass key is")
@@ -56,3 +58,27 @@ def test_budget_goes_only_where_it_is_a_parameter():
     assert with_budget("streaming:budget=100", 256) == "streaming:budget=100"
     assert with_budget("full", 256) == "full"
     assert with_budget("streaming:R=1", None) == "streaming:R=1"
+
+
+def test_pydoc_filler_is_natural_text_and_unknown_fillers_are_refused():
+    tok = CharTokenizer()
+    text = tok.decode(build_prompt(tok, 3000, 0.5, draw_key(1), "pydoc"))
+    assert "The grass is green" not in text and len(set(text.split())) > 200  # not a repeated sentence
+    with pytest.raises(ValueError, match="filler must be one of"):
+        build_prompt(tok, 400, 0.5, draw_key(1), "lorem")
+
+
+def test_shared_prefill_answers_as_separate_runs(smollm2):
+    from minikv.bench.passkey import shared_trials
+    from minikv.generate import generate
+
+    model, tok = smollm2
+    ids = build_prompt(tok, 300, 0.4, draw_key(1))
+    specs = ["full", "icecache:budget=96", "freekv:budget=128"]
+    shared = shared_trials(model, tok, specs, ids, 4)
+    for spec in specs:
+        alone = generate(model, tok, ids, policy=spec, max_new_tokens=4, stop_at_eos=False)
+        assert shared[spec]["text"] == alone.text, spec
+        assert shared[spec]["stats"]["device_tokens_peak"] == alone.stats["device_tokens_peak"]
+    with pytest.raises(ValueError, match="prefill output differs"):
+        shared_trials(model, tok, ["full", "streaming:sink=4,window=60,R=1,slack=0,max_drop=0"], ids, 2)

@@ -109,3 +109,17 @@ def test_launcher_rejects_bad_layouts():
         fused.attention_relevance(q, k, v, torch.tensor([8]))
     with pytest.raises(AssertionError, match="contiguous"):
         fused.attention_relevance(q[..., ::2][:, :3], k[..., ::2], v[..., ::2], torch.tensor([8]))
+
+
+@given(rows=st.integers(1, 64), n_sm=st.integers(1, 264), L_cap=st.integers(1, 2**20),
+       block_n=st.sampled_from([16, 32, 64]))
+def test_split_count_is_capped(rows, n_sm, L_cap, block_n):
+    """Both decode kernels size their splits with split_len_for: whole tiles, never more than
+    MAX_SPLITS splits (the merge holds every partial of a head in registers), every slot covered."""
+    load_fused("attention_relevance")  # selects the interpreter before kernels/_triton.py is imported
+    from minikv.kernels._triton import MAX_SPLITS, split_len_for
+
+    split_len = split_len_for(rows, n_sm, L_cap, block_n)
+    splits = -(-L_cap // split_len)
+    assert split_len % block_n == 0 and 1 <= splits <= MAX_SPLITS
+    assert splits * split_len >= L_cap

@@ -91,7 +91,8 @@ def streaming_cases(draw, max_decode=14):
         W = 1
     return dict(S=S, W=W, R=draw(st.integers(0, 4)), slack=draw(st.integers(0, 4)), max_drop=draw(st.integers(0, 4)),
                 T=draw(st.integers(1, 24)), steps=draw(st.integers(0, max_decode)),
-                rotary=draw(st.sampled_from([16, 8])), seed=draw(st.integers(0, 2**16)))
+                rotary=draw(st.sampled_from([16, 8])), seed=draw(st.integers(0, 2**16)),
+                offset=draw(st.sampled_from([0, 10**5, 10**7 - 64, 10**7 + 12345])))
 
 
 def rope_tolerances(N, n_rotations, q, k, v):
@@ -108,7 +109,11 @@ def rope_tolerances(N, n_rotations, q, k, v):
 
 def run_oracle(case, backend):
     """Drive one StreamingLayer with random pre-RoPE q/k/v and check it against a token-by-token
-    replay that keeps the original token indices and Algorithm 1 written out above."""
+    replay that keeps the original token indices and Algorithm 1 written out above.
+
+    The test plays the model: it rotates q and k at `policy.rope_positions(positions)`. Decoded
+    tokens sit at absolute positions offset + t (case["offset"] up to ~10^7, a long stream), and
+    the tolerances are those of a short run: positions that large must not cost precision."""
     cfg = tiny_config(rotary_dim=case["rotary"])
     S, W, R, slack, max_drop = case["S"], case["W"], case["R"], case["slack"], case["max_drop"]
     policy = make(f"streaming:sink={S},window={W},R={R},slack={slack},max_drop={max_drop},backend={backend}")
@@ -120,7 +125,10 @@ def run_oracle(case, backend):
     q_pre = torch.randn(cfg.n_heads, N, cfg.head_dim, generator=g)
     k_pre = torch.randn(cfg.n_kv_heads, N, cfg.head_dim, generator=g)
     v = torch.randn(cfg.n_kv_heads, N, cfg.head_dim, generator=g)
-    absolute = lambda x, a, b: rope.apply(x[None, :, a:b], torch.arange(a, b)[None])  # the model's RoPE
+    offset = case.get("offset", 0)
+
+    def model_rope(x, a, b, positions):  # the model's RoPE, where the policy asks for it
+        return rope.apply(x[None, :, a:b], policy.rope_positions(positions))
     n_rotations = len(schedule(N, S, W, R, slack, max_drop)[2]) + 2
     k_tol, out_tol = rope_tolerances(N, n_rotations, q_pre, k_pre, v)
 
@@ -134,13 +142,15 @@ def run_oracle(case, backend):
             retained = retained[:S] + retained[n - (keep - S):]
         if t == T - 1 or t >= T:  # after the prefill, and after every decode step
             if t == T - 1:
-                out = layer.prefill(absolute(q_pre, 0, T), absolute(k_pre, 0, T), v[None, :, :T],
-                                    torch.arange(T)[None])[0]  # (Hq, T, D)
+                pos = torch.arange(T)[None]
+                out = layer.prefill(model_rope(q_pre, 0, T, pos), model_rope(k_pre, 0, T, pos), v[None, :, :T],
+                                    pos)[0]  # (Hq, T, D)
                 assert_close(out.transpose(0, 1), torch.stack(expected).float(), atol=out_tol, rtol=1e-5,
                              name="prefill out")
             else:
-                out = layer.decode(absolute(q_pre, t, t + 1), absolute(k_pre, t, t + 1), v[None, :, t:t + 1],
-                                   torch.tensor([[t]]))[0, :, 0]
+                pos = torch.tensor([[offset + t]])
+                out = layer.decode(model_rope(q_pre, t, t + 1, pos), model_rope(k_pre, t, t + 1, pos),
+                                   v[None, :, t:t + 1], pos)[0, :, 0]
                 assert_close(out, expected[-1].float(), atol=out_tol, rtol=1e-5, name=f"decode out at t={t}")
             L = len(retained)
             assert layer.device_tokens() == L
@@ -156,7 +166,7 @@ def test_streaming_oracle_eager(case):
     run_oracle(case, "eager")
 
 
-@settings(max_examples=6)
+@settings(max_examples=10)
 @given(case=streaming_cases(max_decode=6))
 def test_streaming_oracle_triton(case):
     run_oracle(case, "triton")
@@ -168,6 +178,15 @@ def test_streaming_oracle_long_run_many_prunes():
     run_oracle(case, "eager")
 
 
+@pytest.mark.parametrize("offset", [10**5, 10**6, 10**7, 2**24 + 3])
+def test_streaming_oracle_at_ten_million(offset):
+    """An endless stream: decoded tokens at absolute positions up to 10^7 (and past 2^24, where
+    float32 no longer holds every integer) are as exact as at position 100: the model rotates
+    them once, at their cache position, so the absolute position never enters the arithmetic."""
+    case = dict(S=4, W=20, R=6, slack=2, max_drop=4, T=30, steps=60, rotary=16, seed=3, offset=offset)
+    run_oracle(case, "eager")
+
+
 def test_prefill_equals_token_by_token_decode():
     """A long prompt through the streaming prefill gives what feeding it one token at a time does."""
     cfg = tiny_config()
@@ -175,8 +194,9 @@ def test_prefill_equals_token_by_token_decode():
     T = 700  # > PREFILL_CHUNK: several query blocks, each with its own window of recent keys
     rope = RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta)
     pos = torch.arange(T)[None]
-    q = rope.apply(torch.randn(1, cfg.n_heads, T, cfg.head_dim, generator=g), pos)
-    k = rope.apply(torch.randn(1, cfg.n_kv_heads, T, cfg.head_dim, generator=g), pos)
+    q_pre = torch.randn(1, cfg.n_heads, T, cfg.head_dim, generator=g)
+    k_pre = torch.randn(1, cfg.n_kv_heads, T, cfg.head_dim, generator=g)
+    q, k = rope.apply(q_pre, pos), rope.apply(k_pre, pos)
     v = torch.randn(1, cfg.n_kv_heads, T, cfg.head_dim, generator=g)
     spec = "streaming:sink=4,window=100,R=16,slack=8,max_drop=12"
     a = make(spec).bind(cfg, device="cpu", dtype=torch.float32, max_len=T)
@@ -184,7 +204,9 @@ def test_prefill_equals_token_by_token_decode():
     b = make(spec).bind(cfg, device="cpu", dtype=torch.float32, max_len=T)
     outs = [b.layer(0).prefill(q[:, :, :1], k[:, :, :1], v[:, :, :1], pos[:, :1])]
     for t in range(1, T):
-        outs.append(b.layer(0).decode(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], pos[:, t:t + 1]))
+        at = b.rope_positions(pos[:, t:t + 1])  # the model rotates a decoded token where the policy says
+        qt, kt = rope.apply(q_pre[:, :, t:t + 1], at), rope.apply(k_pre[:, :, t:t + 1], at)
+        outs.append(b.layer(0).decode(qt, kt, v[:, :, t:t + 1], pos[:, t:t + 1]))
     la, lb = a.layer(0), b.layer(0)
     k_tol, out_tol = rope_tolerances(T, b.stats()["prune_events"] + 2, q, k, v)
     assert_close(out_prefill, torch.cat(outs, dim=2), atol=out_tol, rtol=1e-5)
@@ -254,7 +276,29 @@ def test_stats_and_budget_hold_over_a_run():
     _, final, drops = schedule(200, 4, 28, 8, 4, 6)
     assert st_["prune_events"] == len(drops) and st_["tokens_dropped"] == 200 - final == sum(drops)
     assert st_["dropped_per_event_max"] == max(drops) <= 6 + 8  # staged: a prefill prune may drop more
-    assert st_["device_bytes"] == 40 * policy.token_bytes()
+    # the preallocated C + R slots, and the compaction scratch (one tensor of C + R slots, K or V)
+    assert st_["device_bytes_allocated"] == 40 * policy.token_bytes() + 40 * policy.token_bytes() // 2
+    assert st_["device_bytes"] == layer.n * policy.token_bytes()  # the tokens held now
+
+
+def test_model_rotates_at_the_positions_the_policy_chooses(reference_dir):
+    """Through a real forward (tiny Llama): a stream decoded at absolute positions past 10^7
+    gives the logits of the same tokens decoded at small positions, bit for bit, because the
+    model rotates every new q and k at `rope_positions` (the cache slot), never at p."""
+    from minikv.loading import load_model
+
+    model = load_model(reference_dir / "models" / "llama_gqa3", device="cpu", dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 40), generator=g)
+    runs = []
+    for offset in (0, 10**7):
+        policy = make("streaming:sink=2,window=10,R=4,slack=2,max_drop=3").bind(
+            model.cfg, device="cpu", dtype=torch.float32, max_len=40)
+        logits = [model(ids[:, :8], policy=policy)[:, -1]]
+        for t in range(8, 40):  # prunes happen along the way: positions get renumbered
+            logits.append(model(ids[:, t:t + 1], positions=torch.tensor([[offset + t]]), policy=policy)[:, -1])
+        runs.append(torch.cat(logits))
+    assert torch.equal(runs[0], runs[1])
 
 
 # -- the real model ----------------------------------------------------------------------------

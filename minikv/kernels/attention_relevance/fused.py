@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .. import triton_interpreted
-from .._triton import LN2, LOG2E, merge_splits
+from .._triton import LN2, LOG2E, merge_splits, split_len_for
 from .._triton import dot as _dot
 
 @triton.jit
@@ -102,12 +102,10 @@ def _partial_kernel(
 
 
 def default_split_len(B: int, L_cap: int, device: torch.device, block_n: int) -> int:
-    """Slots per program: enough splits for ~2 programs per SM, none shorter than 256 slots."""
+    """Slots per program (`split_len_for`: at most MAX_SPLITS splits, as decode_attention)."""
     if triton_interpreted():
         return max(L_cap, 1)  # one split: interpreted programs cost time, parallelism buys nothing
-    n_sm = torch.cuda.get_device_properties(device).multi_processor_count
-    splits = max(1, min(triton.cdiv(2 * n_sm, B), triton.cdiv(L_cap, 256)))
-    return triton.cdiv(triton.cdiv(L_cap, splits), block_n) * block_n
+    return split_len_for(B, torch.cuda.get_device_properties(device).multi_processor_count, L_cap, block_n)
 
 
 def launch(q, k, v, lengths, scale=None, split_len=None, block_n=32):

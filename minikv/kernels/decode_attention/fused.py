@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .. import empty, triton_interpreted
-from .._triton import LN2, LOG2E, merge_splits
+from .._triton import LN2, LOG2E, merge_splits, split_len_for
 from .._triton import dot as _dot
 
 @triton.jit
@@ -88,13 +88,10 @@ def _sm_count(device: torch.device) -> int:
 
 
 def default_split_len(B: int, Hkv: int, L_cap: int, device: torch.device, block_n: int) -> int:
-    """Slots per program: enough splits for ~2 programs per SM, none shorter than 256 slots, and
-    at most 64 splits (the combine holds all of a head's partials, (S, D), in registers)."""
+    """Slots per program (`split_len_for`: ~2 programs per SM, at most MAX_SPLITS splits)."""
     if triton_interpreted():
         return L_cap  # one split: interpreted programs cost time, parallelism buys nothing
-    n_sm = _sm_count(device)
-    splits = max(1, min(triton.cdiv(2 * n_sm, B * Hkv), triton.cdiv(L_cap, 256), 64))
-    return triton.cdiv(triton.cdiv(L_cap, splits), block_n) * block_n
+    return split_len_for(B * Hkv, _sm_count(device), L_cap, block_n)
 
 
 def launch(q, k, v, lengths, scale=None, window=None, return_lse=False, split_len=None, block_n=64):

@@ -1,0 +1,194 @@
+"""recall: attention recall of retrieval policies, against full attention and the best selection.
+
+    python -m minikv.bench recall --policy freekv --budget 128 --budget 256 --prompt-length 2048
+
+Attention recall is the share of full attention's probability mass that falls on the tokens a
+policy lets attention read (the measure of Quest, Tang et al., ICML 2024, and of the IceCache and
+FreeKV papers). It is measured on the side: a RecallProbe wraps each layer of a bound policy,
+keeps a shadow copy of every key (after RoPE, at its absolute position), and after each decode
+step computes softmax(q k^T / sqrt(d)) per query head over all tokens so far, then sums that
+head's mass on the indices its KV head read, as the layer reports them:
+
+    layer.attended_indices() -> (Hkv, n) int64 absolute token indices the last decode step read
+                                per KV head (-1 pads), or None when the layer read everything
+
+Recall is the mean over query heads, over the layers that report indices, and over decode steps.
+The oracle at budget b is the best any selection of b tokens per KV head could do: per KV head the
+b tokens with the most attention summed over its GQA group (full attention's queries).
+
+The command prefills --prompt-length tokens of pydoc_data.topics, then feeds the next --steps
+tokens one at a time (teacher forcing), under full KV (for the oracle) and under each policy at
+each budget.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..policies import available, make
+from ..policies.base import Policy
+from .common import add_common_arguments, load_model, print_table, text_ids, write_json
+
+COMMAND = "recall"
+
+
+def renumbers_positions(policy: Policy) -> bool:
+    """True when the model rotates this policy's q and k at positions other than the absolute ones
+    (streaming's cache positions): then q . k of the shadow copy would mean nothing."""
+    own = getattr(type(policy), "rope_positions", None)
+    return own is not None and own is not getattr(Policy, "rope_positions", None)
+
+
+class RecallProbe:
+    """Measures attention recall of `policy` (unbound) while it decodes, and the oracle recall at
+    `oracle_budgets`. Attach before the policy is bound (generate() binds it)."""
+
+    def __init__(self, policy: Policy, oracle_budgets=()):
+        if renumbers_positions(policy):
+            raise ValueError(f"policy {policy.name!r} renumbers positions; attention recall needs absolute ones")
+        self.policy = policy
+        self.budgets = sorted(set(oracle_budgets))
+        self.keys: dict[int, torch.Tensor] = {}  # layer -> (Hkv, max_len, D) float32
+        self.sum, self.count = 0.0, 0  # policy recall over (step, layer)
+        self.oracle_sum = {b: 0.0 for b in self.budgets}
+        self.oracle_count = 0
+        make_layer = policy.make_layer
+        policy.make_layer = lambda i: self.wrap(make_layer(i))  # bind() builds the layers through it
+
+    @property
+    def recall(self) -> float | None:
+        return self.sum / self.count if self.count else None
+
+    @property
+    def oracle(self) -> dict[int, float]:
+        return {b: s / self.oracle_count for b, s in self.oracle_sum.items()} if self.oracle_count else {}
+
+    def wrap(self, layer):
+        prefill, decode = layer.prefill, layer.decode
+
+        def probed_prefill(q, k, v, positions):
+            out = prefill(q, k, v, positions)
+            self.remember(layer.index, k, positions)
+            return out
+
+        def probed_decode(q, k, v, positions):
+            out = decode(q, k, v, positions)
+            self.remember(layer.index, k, positions)
+            self.measure(layer, q, int(positions[0, -1]) + 1)
+            return out
+
+        layer.prefill, layer.decode = probed_prefill, probed_decode
+        return layer
+
+    def remember(self, index: int, k: torch.Tensor, positions: torch.Tensor) -> None:
+        # k (1, Hkv, T, D), positions (1, T) absolute, -1 for padding
+        if k.shape[0] != 1:
+            raise ValueError("attention recall follows one sequence (batch size 1)")
+        if index not in self.keys:
+            Hkv, D = k.shape[1], k.shape[3]
+            self.keys[index] = torch.zeros(Hkv, self.policy.max_len, D, dtype=torch.float32, device=k.device)
+        keep = positions[0] >= 0
+        self.keys[index][:, positions[0, keep]] = k[0][:, keep].float()
+
+    def measure(self, layer, q: torch.Tensor, n: int) -> None:
+        # q (1, Hq, 1, D); the keys of tokens 0 .. n-1 are in the shadow copy
+        indices = layer.attended_indices() if hasattr(layer, "attended_indices") else None
+        if indices is None and not self.budgets:
+            return
+        p = full_attention_probs(q[0, :, 0].float(), self.keys[layer.index][:, :n])  # (Hq, n)
+        if indices is not None:
+            self.sum += attended_mass(p, indices).mean().item()
+            self.count += 1
+        if self.budgets:
+            G = q.shape[1] // self.keys[layer.index].shape[0]
+            for b, mass in zip(self.budgets, oracle_mass(p, G, self.budgets)):
+                self.oracle_sum[b] += mass
+            self.oracle_count += 1
+
+
+def full_attention_probs(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    # q (Hq, D), keys (Hkv, n, D) -> softmax(q k^T / sqrt(D)) (Hq, n); query head h reads KV head h // G
+    Hq, D = q.shape
+    G = Hq // keys.shape[0]
+    scores = torch.einsum("kgd,knd->kgn", q.view(-1, G, D), keys) / math.sqrt(D)
+    return scores.softmax(dim=-1).reshape(Hq, -1)
+
+
+def attended_mass(p: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    # p (Hq, n), indices (Hkv, m) int64, -1 pads -> mass per query head (Hq,)
+    Hq, n = p.shape
+    indices = indices.to(p.device)
+    if indices.dim() != 2 or Hq % indices.shape[0]:
+        raise ValueError(f"attended_indices must be (n_kv_heads, m), got {tuple(indices.shape)} for {Hq} query heads")
+    if indices.numel() and int(indices.max()) >= n:
+        raise ValueError(f"attended index {int(indices.max())} beyond the {n} tokens seen")
+    read = torch.zeros(indices.shape[0], n + 1, dtype=p.dtype, device=p.device)
+    read.scatter_(1, torch.where(indices < 0, n, indices), 1.0)  # padding lands in the spare column
+    G = Hq // indices.shape[0]
+    return (p * read[:, :n].repeat_interleave(G, dim=0)).sum(dim=-1)
+
+
+def oracle_mass(p: torch.Tensor, G: int, budgets: list[int]) -> list[float]:
+    # p (Hq, n) -> per budget b: mean over query heads of the mass on the top-b tokens of the group sum
+    Hq, n = p.shape
+    grouped = p.view(Hq // G, G, n)
+    order = grouped.sum(dim=1).argsort(dim=-1, descending=True)  # (Hkv, n)
+    ranked = grouped.gather(2, order[:, None, :].expand(-1, G, -1)).cumsum(dim=-1)  # (Hkv, G, n)
+    return [1.0 if b >= n else ranked[:, :, b - 1].mean().item() for b in budgets]
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--policy", action="append",
+                   help="policy spec, repeatable (default: every registered policy but full)")
+    p.add_argument("--budget", type=int, action="append", help="budget for policies that take one, repeatable "
+                   "(default 64 128 256 512); the oracle is computed at each")
+    p.add_argument("--prompt-length", type=int, default=2048, help="prompt tokens before decoding (2048)")
+    p.add_argument("--steps", type=int, default=32, help="tokens fed one at a time after the prompt (32)")
+    add_common_arguments(p)
+
+
+def run(args) -> int:
+    import sys
+
+    from .compare import BUDGETS, configs, long_pass
+
+    budgets = sorted(set(args.budget or BUDGETS))
+    try:
+        if args.prompt_length < 1 or args.steps < 2 or min(budgets) < 1:
+            raise ValueError("--prompt-length, --budget must be positive and --steps at least 2")
+        rows = configs(args.policy or [n for n in available() if n != "full"], budgets)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    model, tok = load_model(args)
+    ids = text_ids(tok, args.prompt_length + args.steps)
+    out = []
+    for cfg in rows:
+        policy = make(cfg["spec"])
+        if renumbers_positions(policy):
+            print(f"  {cfg['spec']}: renumbers positions, no recall", file=sys.stderr)
+            continue
+        probe = RecallProbe(policy, budgets if cfg["spec"] == "full" else ())
+        try:
+            stats = long_pass(model, ids, args.prompt_length, policy)
+        except ValueError as e:
+            print(f"  {cfg['spec']}: {e}", file=sys.stderr)
+            continue
+        if cfg["spec"] == "full":
+            out += [{"policy": "oracle (best top-b)", "budget": b, "recall": r} for b, r in probe.oracle.items()]
+        else:
+            out.append({"policy": cfg["spec"], "budget": cfg["budget"], "recall": probe.recall,
+                        "measured": probe.count, "device_tokens_peak": stats["device_tokens_peak"]})
+        print(f"  {cfg['spec']}: done", file=sys.stderr, flush=True)
+    print_table(out, [("policy", "policy", ""), ("budget", "budget", "d"), ("recall", "recall", ".3f"),
+                      ("layer-steps measured", "measured", "d"), ("peak device tokens", "device_tokens_peak", ".0f")],
+                title=f"\nattention recall, {args.model}, {args.prompt_length}-token prompt, {args.steps} steps "
+                      f"(teacher forcing on pydoc_data.topics); '-': the policy's layers report no attended_indices")
+    write_json(args.json, {"benchmark": "recall", "model": args.model, "prompt_length": args.prompt_length,
+                           "steps": args.steps, "rows": out})
+    return 0
+

@@ -1,0 +1,286 @@
+"""compare: every policy at every budget, one model, one machine, one run: accuracy, memory, speed.
+
+    python -m minikv.bench compare --threads 1 --out compare/            # --preset quick
+    python -m minikv.bench compare --preset full --threads 1 --out compare/ --include kvpress.json
+    python -m minikv.bench compare --policy freekv --budget 128 --tasks niah_single_1 vt
+    python -m minikv.bench compare --from compare/compare.json --include kvpress.json --out compare/
+
+Every registered policy runs (full is the reference and always runs). A policy that takes a
+`budget` parameter runs once per --budget (tokens per KV head that attention reads on the device);
+one without (softfreeze) runs once at its defaults, and its row reports the memory it really used.
+Per row, over the task suite (RULER-style, generated offline at --length tokens, see
+minikv/bench/tasks; greedy decoding, chat template):
+  scores    RULER's string_match_all per task, in percent; `mean` over the tasks where full KV
+            scores at least 20 (a task full KV fails at this length measures nothing: marked)
+  KV        device KV attention really read (tokens per KV head, mean over layers), sampled after
+            every forward of every task: mean and peak, and Mem% = mean as a share of full KV
+  recall    for policies whose layers report attended_indices(): the share of full attention's
+            mass on the tokens they read (attention_recall.py); `oracle` rows: the best top-b
+            selection, on full KV's attention
+  long      one prefill of --long-prompt tokens of pydoc_data.topics, then --long-steps tokens fed
+            one at a time: TPOT (mean step), its ratio to full's (same run), peak device KV, bytes
+            moved between tiers, and the perplexity of those tokens (the cache decoding sees)
+Writes Markdown tables (stdout and --out/compare.md), --out/compare.json (every number, the
+machine) and the figures (--out/*.png, matplotlib). --include FILE.json merges rows of another
+run of the same schema (reference/compare_kvpress.py writes kvpress's), marked by their source.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..generate import decode_one_token, generate, prefill
+from ..policies import available, make
+from ..policies.base import _REGISTRY, parameters
+from . import compare_report as report
+from .attention_recall import RecallProbe, renumbers_positions
+from .common import add_common_arguments, environment, load_model, text_ids
+from .passkey import with_budget
+from .ppl import nll_of, ppl
+from .tasks import make_instance, string_match_all, task_names
+
+COMMAND = "compare"
+PRESETS = {
+    # quick: <= 20 minutes on a 2-core CPU for five policies (measured figures in the README)
+    "quick": {"length": 1024, "seeds": [0], "long_prompt": 2048, "long_steps": 32},
+    # full: what the README's table shows
+    "full": {"length": 4096, "seeds": [0, 1], "long_prompt": 8000, "long_steps": 64},
+}
+BUDGETS = [64, 128, 256, 512]
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--preset", choices=sorted(PRESETS), default="quick", help="sizes of the run (default quick)")
+    p.add_argument("--policy", action="append", help="policy spec, repeatable (default: every registered policy)")
+    p.add_argument("--budget", type=int, action="append", help=f"budget, repeatable (default {BUDGETS})")
+    p.add_argument("--tasks", nargs="+", help=f"task subset (default all): {' '.join(task_names())} long")
+    p.add_argument("--length", type=int, help="task prompt length in tokens (preset's)")
+    p.add_argument("--seeds", type=int, nargs="+", help="task instances per task, by seed (preset's)")
+    p.add_argument("--long-prompt", type=int, help="prompt tokens of the long pass (preset's)")
+    p.add_argument("--long-steps", type=int, help="tokens fed one at a time after it (preset's)")
+    p.add_argument("--no-chat", action="store_true", help="plain prompts, no chat template")
+    p.add_argument("--include", action="append", default=[], metavar="FILE.json", help="merge rows of another run")
+    p.add_argument("--from", dest="from_json", metavar="FILE.json", help="render a saved run instead of running")
+    p.add_argument("--out", metavar="DIR", help="write compare.md, compare.json and the figures here")
+    add_common_arguments(p)
+
+
+# -- what runs ---------------------------------------------------------------------------------
+
+
+def configs(specs: list[str] | None, budgets: list[int]) -> list[dict]:
+    """(spec, policy name, budget) per row: full first, a row per budget for policies taking one."""
+    rows = [{"spec": "full", "policy": "full", "budget": None}]
+    for spec in specs or available():
+        name = spec.partition(":")[0].strip()
+        if name not in _REGISTRY:
+            raise ValueError(f"unknown policy {name!r}; available: {', '.join(available())}")
+        make(spec)  # a bad parameter fails now, not after an hour
+        takes = "budget" in parameters(_REGISTRY[name]) and "budget=" not in spec.replace(" ", "")
+        for b in budgets if takes else [None]:
+            s = with_budget(spec, b)
+            if all(r["spec"] != s for r in rows):
+                rows.append({"spec": s, "policy": name, "budget": b})
+    return rows
+
+
+class Progress:
+    """Work done / to do, weighted by tokens processed, with an ETA, on stderr."""
+
+    def __init__(self, total: float):
+        self.total, self.done, self.t0 = total, 0.0, time.perf_counter()
+
+    def step(self, cost: float, message: str) -> None:
+        self.done += cost
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed * (self.total - self.done) / self.done if self.done else float("nan")
+        print(f"[{100 * self.done / self.total:5.1f}%  {fmt_time(elapsed)} elapsed, ETA {fmt_time(eta)}] {message}",
+              file=sys.stderr, flush=True)
+
+
+def fmt_time(s: float) -> str:
+    return "?" if not math.isfinite(s) else f"{int(s // 60)}m{int(s % 60):02d}s"
+
+
+def task_cost(inst) -> float:
+    return inst.length + 20 * inst.max_new_tokens  # a decode step costs about 20 prompt tokens on a CPU
+
+
+# -- one row -----------------------------------------------------------------------------------
+
+
+def run_tasks(model, tok, cfg: dict, instances, oracle_budgets, progress) -> dict:
+    """Scores, KV used and recall of one policy over the task instances."""
+    scores: dict[str, list[float]] = {}
+    device, seq, answers = [], [], []
+    probe_sum = probe_n = 0.0
+    oracle: dict[int, list[float]] = {}
+    for inst in instances:
+        policy = make(cfg["spec"])
+        probe = None
+        if not renumbers_positions(policy):
+            probe = RecallProbe(policy, oracle_budgets if cfg["spec"] == "full" else ())
+
+        def sample(row, token_id):  # after every forward: the KV attention reads, and the sequence
+            if token_id >= 0:
+                device.append(sum(layer.device_tokens() for layer in policy.layers) / len(policy.layers))
+                seq.append(len(inst.ids) + policy.steps - 1)
+
+        result = generate(model, tok, inst.ids, policy=policy, max_new_tokens=inst.max_new_tokens, on_token=sample)
+        score = string_match_all([result.text], [inst.answers])
+        scores.setdefault(inst.task, []).append(score)
+        answers.append({"task": inst.task, "seed": inst.seed, "answer": result.text, "score": score})
+        if probe is not None and probe.recall is not None:
+            probe_sum += probe.sum
+            probe_n += probe.count
+        for b, r in (probe.oracle.items() if probe is not None else ()):
+            oracle.setdefault(b, []).append(r)
+        progress.step(task_cost(inst), f"{cfg['spec']} {inst.task} seed {inst.seed}: {score:.0f}  {result.text.strip()[:40]!r}")
+    shares = [d / s for d, s in zip(device, seq)]
+    return {"scores": {t: sum(v) / len(v) for t, v in scores.items()}, "answers": answers,
+            "kv_mean_tokens": sum(device) / len(device), "kv_peak_tokens": max(device),
+            "kv_share_mean": sum(device) / sum(seq), "kv_share_peak": max(shares),
+            "recall": probe_sum / probe_n if probe_n else None,
+            "oracle": {b: sum(v) / len(v) for b, v in oracle.items()}}
+
+
+def long_pass(model, ids: list[int], n_prompt: int, policy) -> dict:
+    """Prefill n_prompt tokens, then feed the rest one at a time (teacher forcing): the time of
+    each step, the NLL of each next token, the tiers at the end. policy: a spec or an unbound Policy."""
+    policy = make(policy).bind(model.cfg, device=model.device, dtype=model.dtype, max_len=len(ids))
+    x = torch.tensor([ids], device=model.device)
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+    logits = prefill(model, x[:, :n_prompt], torch.tensor([n_prompt], device=model.device), policy)[0]
+    nlls = {n_prompt - 1: nll_of(logits, ids[n_prompt])}
+    times, t = [], n_prompt
+    while t < len(ids) - 1:
+        sync()
+        t0 = time.perf_counter()
+        logits = decode_one_token(model, x[0, t:t + 1], torch.tensor([t], device=model.device), policy)[0]
+        sync()
+        times.append(time.perf_counter() - t0)
+        nlls[t] = nll_of(logits, ids[t + 1])
+        rewind = policy.last_action.rewind if policy.last_action is not None else 0
+        t = t + 1 - rewind  # a policy that dropped the last tokens' KV (softfreeze's rewalk) gets them again
+    st = policy.stats()
+    return {"tpot_s": sum(times) / len(times), "ppl": ppl(list(nlls.values())), "steps": len(times),
+            "device_tokens_peak": st["device_tokens_peak"], "kv_share_peak": st["device_tokens_peak"] / len(ids),
+            "bytes_to_device": st["bytes_to_device"], "bytes_to_host": st["bytes_to_host"],
+            "device_bytes": st["device_bytes"], "host_bytes": st["host_bytes"],
+            "device_bytes_allocated": st.get("device_bytes_allocated"), "host_bytes_allocated": st.get("host_bytes_allocated")}
+
+
+def run_compare(model, tok, args, settings: dict) -> dict:
+    cfgs = configs(args.policy, settings["budgets"])
+    tasks = settings["tasks"]
+    instances = [make_instance(t, tok, settings["length"], s, chat=settings["chat"])
+                 for t in tasks if t != "long" for s in settings["seeds"]]
+    long_ids = text_ids(tok, settings["long_prompt"] + settings["long_steps"]) if "long" in tasks else None
+    per_row = sum(task_cost(i) for i in instances) + (settings["long_prompt"] + 20 * settings["long_steps"]
+                                                     if long_ids else 0)
+    progress = Progress(per_row * len(cfgs))
+    print(f"compare: {len(cfgs)} rows x ({len(instances)} task instances{' + long pass' if long_ids else ''})",
+          file=sys.stderr, flush=True)
+    result = {"benchmark": "compare", "model": args.model, "settings": settings, "rows": [], "oracle": {},
+              "machine": machine()}
+    for cfg in cfgs:
+        row = {"source": "minikv", **cfg, "error": None}
+        try:
+            if instances:
+                row.update(run_tasks(model, tok, cfg, instances, settings["budgets"], progress))
+                if cfg["spec"] == "full":
+                    result["oracle"] = row.pop("oracle")
+                else:
+                    row.pop("oracle")
+            if long_ids:
+                row["long"] = long_pass(model, long_ids, settings["long_prompt"], cfg["spec"])
+                progress.step(settings["long_prompt"] + 20 * settings["long_steps"],
+                              f"{cfg['spec']} long pass: TPOT {1000 * row['long']['tpot_s']:.1f} ms")
+        except Exception as e:  # noqa: BLE001  one policy failing (a budget it refuses) must not sink the run
+            row["error"] = f"{type(e).__name__}: {e}"
+            print(f"  {cfg['spec']}: {row['error']}", file=sys.stderr, flush=True)
+        result["rows"].append(row)
+        if args.out:  # partial results survive a crash
+            save(result, args)
+    return result
+
+
+def machine() -> dict:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {**environment(), "cpu": cpu}
+
+
+def save(result: dict, args) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.json").write_text(json.dumps(result, indent=1))
+
+
+def load_rows(path: str) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        raise ValueError(f"{path} is not a compare JSON (no 'rows' list)")
+    return data
+
+
+def settings_of(args) -> dict:
+    preset = PRESETS[args.preset]
+    tasks = args.tasks or task_names() + ["long"]
+    unknown = [t for t in tasks if t not in task_names() + ["long"]]
+    if unknown:
+        raise ValueError(f"unknown task(s) {', '.join(unknown)}; tasks: {' '.join(task_names())} long")
+    budgets = args.budget or BUDGETS
+    if any(b < 1 for b in budgets):
+        raise ValueError("budgets must be positive")
+    s = {"preset": args.preset, "tasks": tasks, "budgets": sorted(set(budgets)), "chat": not args.no_chat,
+         "length": args.length or preset["length"], "seeds": args.seeds or preset["seeds"],
+         "long_prompt": args.long_prompt or preset["long_prompt"], "long_steps": args.long_steps or preset["long_steps"]}
+    if s["long_steps"] < 2:
+        raise ValueError("--long-steps must be at least 2")
+    return s
+
+
+def run(args) -> int:
+    try:
+        if args.from_json:
+            result = load_rows(args.from_json)
+        else:
+            settings = settings_of(args)
+            configs(args.policy, settings["budgets"])  # bad specs fail before the model loads
+            model, tok = load_model(args)
+            result = run_compare(model, tok, args, settings)
+        for path in args.include:
+            extra = load_rows(path)
+            for row in extra["rows"]:
+                row.setdefault("source", extra.get("source", Path(path).stem))
+                result["rows"].append(row)
+            result.setdefault("included", []).append({"file": path, "machine": extra.get("machine"),
+                                                      "settings": extra.get("settings")})
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    report.annotate(result)
+    text = report.markdown(result)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.out:
+        save(result, args)
+        (Path(args.out) / "compare.md").write_text(text)
+        report.figures(result, Path(args.out))
+    return 0

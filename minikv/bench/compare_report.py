@@ -1,0 +1,181 @@
+"""The compare benchmark's output: derived numbers, Markdown tables, figures (no model runs here).
+
+    annotate(result)          per row: mean scores over the tasks full KV can do, TPOT ratio to full
+    markdown(result) -> str   one table per task group, plus the long-prompt table
+    figures(result, out_dir)  accuracy.png, tpot_memory.png, recall.png (matplotlib)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+GROUPS = [
+    ("Retrieval: passkey and needles in a haystack", "retrieval",
+     ["passkey", "niah_single_1", "niah_multikey_2", "niah_multikey_3", "niah_multivalue", "niah_multiquery"]),
+    ("Multi-hop tracing and aggregation", "aggregation", ["vt", "cwe", "fwe"]),
+]
+WEAK = 20.0  # full KV below this on a task: the task measures nothing at this length
+
+
+def _reference(rows: list[dict], source: str) -> dict | None:
+    return next((r for r in rows if r.get("source") == source and r.get("policy") == "full" and not r.get("error")), None)
+
+
+def annotate(result: dict) -> None:
+    rows = result["rows"]
+    full = _reference(rows, "minikv") or _reference(rows, rows[0].get("source")) if rows else None
+    weak = sorted(t for t, s in (full or {}).get("scores", {}).items() if s < WEAK)
+    result["weak_tasks"] = weak
+    for r in rows:
+        scores = r.get("scores") or {}
+        counted = [t for t in scores if t not in weak]
+        r["mean"] = sum(scores[t] for t in counted) / len(counted) if counted else None
+        for _, key, tasks in GROUPS:
+            mine = [t for t in tasks if t in scores and t not in weak]
+            r[f"mean_{key}"] = sum(scores[t] for t in mine) / len(mine) if mine else None
+        base = _reference(rows, r.get("source"))
+        mine, theirs = (r.get("long") or {}).get("tpot_s"), (base or {}).get("long", {}).get("tpot_s")
+        r["tpot_ratio"] = mine / theirs if mine and theirs else None
+
+
+def label(r: dict) -> str:
+    return r["policy"] if r.get("source", "minikv") == "minikv" else f"{r['policy']} ({r['source']})"
+
+
+def _cell(value, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _budget(r: dict) -> str:
+    if r.get("budget") is None:
+        return "all" if r["policy"] == "full" else "own"
+    return str(r["budget"])
+
+
+def _table(header: list[str], lines: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" if i < 2 else "---:" for i in range(len(header))) + "|"]
+    out += ["| " + " | ".join(line) + " |" for line in lines]
+    return "\n".join(out)
+
+
+def markdown(result: dict) -> str:
+    s, rows, weak = result.get("settings", {}), [r for r in result["rows"] if not r.get("error")], result.get("weak_tasks", [])
+    parts = [f"Model {result.get('model', '?')}, task prompts of {s.get('length', '?')} tokens, "
+             f"{len(s.get('seeds', []))} instance(s) per task, greedy; "
+             f"budget = tokens per KV head attention reads on the device ('own': the policy's defaults). "
+             f"KV mean/peak: device tokens per KV head really read, over the tasks; Mem%: mean as a share of full KV. "
+             f"TPOT x full: time per output token at the long prompt over full KV's, same run."]
+    for title, key, tasks in GROUPS:
+        present = [t for t in tasks if any(t in (r.get("scores") or {}) for r in rows)]
+        if not present:
+            continue
+        header = ["policy", "budget"] + [t + (" †" if t in weak else "") for t in present] + \
+                 ["mean", "KV mean", "KV peak", "Mem%", "TPOT x full"]
+        lines = [[label(r), _budget(r)] + [_cell((r.get("scores") or {}).get(t), ".0f") for t in present] +
+                 [_cell(r.get(f"mean_{key}")), _cell(r.get("kv_mean_tokens"), ".0f"), _cell(r.get("kv_peak_tokens"), ".0f"),
+                  _cell(100 * r["kv_share_mean"] if r.get("kv_share_mean") is not None else None, ".0f"),
+                  _cell(r.get("tpot_ratio"), ".2f")] for r in rows if r.get("scores")]
+        parts.append(f"### {title}\n\n" + _table(header, lines))
+    if any(t in weak for _, _, tasks in GROUPS for t in tasks):
+        parts.append(f"† full KV scores below {WEAK:.0f} on this task at {s.get('length', '?')} tokens: "
+                     f"it is shown but left out of the means.")
+    long_rows = [r for r in rows if r.get("long") or r.get("recall") is not None]
+    if long_rows or result.get("oracle"):
+        header = ["policy", "budget", "PPL", "TPOT ms", "TPOT x full", "peak KV", "peak Mem%", "MB to device",
+                  "MB to host", "attention recall"]
+        lines = []
+        for r in long_rows:
+            lg = r.get("long") or {}
+            lines.append([label(r), _budget(r), _cell(lg.get("ppl"), ".2f"),
+                          _cell(1000 * lg["tpot_s"] if lg.get("tpot_s") else None), _cell(r.get("tpot_ratio"), ".2f"),
+                          _cell(lg.get("device_tokens_peak"), ".0f"),
+                          _cell(100 * lg["kv_share_peak"] if lg.get("kv_share_peak") is not None else None, ".0f"),
+                          _cell(lg["bytes_to_device"] / 2**20 if lg.get("bytes_to_device") is not None else None),
+                          _cell(lg["bytes_to_host"] / 2**20 if lg.get("bytes_to_host") is not None else None),
+                          _cell(r.get("recall"), ".3f")])
+        for b, rec in sorted(result.get("oracle", {}).items(), key=lambda kv: int(kv[0])):
+            lines.append(["oracle (best top-b)", str(b)] + ["-"] * 7 + [_cell(rec, ".3f")])
+        parts.append(f"### Long prompt: {s.get('long_prompt', '?')} tokens of pydoc_data.topics, then "
+                     f"{s.get('long_steps', '?')} tokens fed one at a time\n\n" + _table(header, lines) +
+                     "\n\nPPL over the tokens fed one at a time; attention recall over every decode step of the "
+                     "tasks (layers that report attended_indices); oracle: the best b tokens per KV head under "
+                     "full KV's attention.")
+    errors = [r for r in result["rows"] if r.get("error")]
+    if errors:
+        parts.append("Rows that did not run:\n\n" + "\n".join(f"- `{r['spec']}`: {r['error']}" for r in errors))
+    return "\n\n".join(parts) + "\n"
+
+
+def figures(result: dict, out: Path) -> list[Path]:
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ValueError("figures need matplotlib: pip install 'minikv[bench]'") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if not r.get("error")]
+    written = []
+    by_policy: dict[str, list[dict]] = {}
+    for r in rows:
+        by_policy.setdefault(label(r), []).append(r)
+
+    def lines(ax, value, ylabel: str, title: str):
+        for name, rs in by_policy.items():
+            pts = sorted((r["budget"], value(r)) for r in rs if r.get("budget") is not None and value(r) is not None)
+            style = "--" if rs[0].get("source", "minikv") != "minikv" else "-"
+            if pts:
+                ax.plot(*zip(*pts), style, marker="o", label=name)
+            elif rs[0]["policy"] == "full" and value(rs[0]) is not None:
+                ax.axhline(value(rs[0]), color="black", ls=":", label=f"{name} (all tokens)")
+            elif value(rs[0]) is not None and rs[0].get("kv_mean_tokens"):  # no budget: where its memory went
+                ax.plot([rs[0]["kv_mean_tokens"]], [value(rs[0])], "*", ms=12, label=f"{name} (mean KV used)")
+        ax.set_xscale("log", base=2)
+        budgets = sorted({r["budget"] for r in rows if r.get("budget") is not None})
+        if budgets:
+            ax.set_xticks(budgets, [str(b) for b in budgets])
+            ax.minorticks_off()
+        ax.set_xlabel("budget: tokens per KV head on the device")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+
+    s = result.get("settings", {})
+    if any(r.get("mean") is not None for r in rows):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        lines(ax, lambda r: r.get("mean"), "mean score (string_match_all, %)",
+              f"Accuracy against budget, RULER-style suite at {s.get('length', '?')} tokens")
+        written.append(_save(fig, out / "accuracy.png", plt))
+    pts = [(r, r["long"]) for r in rows if r.get("long") and r.get("tpot_ratio")]
+    if pts:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for name, rs in by_policy.items():
+            mine = [(100 * r["long"]["kv_share_peak"], r["tpot_ratio"], _budget(r)) for r in rs
+                    if r.get("long") and r.get("tpot_ratio") and r["long"].get("kv_share_peak") is not None]
+            if mine:
+                ax.scatter([m[0] for m in mine], [m[1] for m in mine], label=name)
+                for x, y, b in mine:
+                    ax.annotate(b, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel(f"peak device KV, % of full KV ({s.get('long_prompt', '?')}-token prompt)")
+        ax.set_ylabel("time per output token / full KV's")
+        ax.set_title("Decode time against device memory at the long prompt")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        written.append(_save(fig, out / "tpot_memory.png", plt))
+    if any(r.get("recall") is not None for r in rows):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        lines(ax, lambda r: r.get("recall"), "attention recall (share of full attention's mass)",
+              "Attention recall against budget")
+        oracle = sorted((int(b), v) for b, v in result.get("oracle", {}).items())
+        if oracle:
+            ax.plot(*zip(*oracle), "k--", marker="x", label="oracle: best top-b tokens")
+            ax.legend(fontsize=8)
+        written.append(_save(fig, out / "recall.png", plt))
+    return written
+
+
+def _save(fig, path: Path, plt) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

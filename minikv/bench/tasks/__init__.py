@@ -1,0 +1,81 @@
+"""An offline RULER-style task suite: prompts fitted to an exact token length, RULER's scoring.
+
+    inst = make_instance("niah_single_1", tokenizer, length=2048, seed=0)
+    inst.ids            exactly `length` token ids (chat turn and answer prefix included)
+    inst.answers        the references; score with string_match_all([prediction], [inst.answers])
+    inst.needles        token spans [start, end) of every needle inside inst.ids
+    inst.depths         where each needle sits, as a fraction of the haystack (0 = start)
+
+The tasks follow the generators of NVIDIA's RULER (Hsieh et al., "RULER: What's the Real Context
+Size of Your Long-Context Language Models?", COLM 2024, https://arxiv.org/abs/2404.06654): its
+templates, needle formats, key and value types, word lists (the `wonderwords` package) and its
+string_match_all metric. They are generated here, offline and deterministically from a seed; they
+are not RULER's own files. The essay haystack (Paul Graham's essays, a download) is replaced by
+RULER's noise haystack. Generators live in niah.py (passkey and the needle tasks) and
+aggregation.py (variable tracking, common and frequent words); fitting.py fits a prompt to its
+length.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from .fitting import chat_frame
+
+
+@dataclass
+class Instance:
+    task: str
+    seed: int
+    length: int
+    ids: list[int]
+    answers: list[str]
+    max_new_tokens: int
+    needles: list[tuple[int, int]] = field(default_factory=list)  # token spans in ids
+    depths: list[float] = field(default_factory=list)
+    query: str = ""
+
+
+def string_match_all(predictions: list[str], references: list[list[str]]) -> float:
+    """RULER's metric: per prediction, the share of its references found in it (case-insensitive),
+    averaged over predictions, in percent, rounded to 2 decimals."""
+    if len(predictions) != len(references):
+        raise ValueError(f"{len(predictions)} predictions for {len(references)} reference lists")
+    if not predictions:
+        raise ValueError("no predictions to score")
+    total = 0.0
+    for pred, refs in zip(predictions, references):
+        pred = postprocess(pred).lower()
+        total += sum(1.0 for r in refs if r.lower() in pred) / len(refs)
+    return round(100.0 * total / len(predictions), 2)
+
+
+def postprocess(prediction: str) -> str:
+    """RULER's evaluate.py: control characters become newlines, then the text is stripped."""
+    return re.sub(r"[\x00-\x1f]", "\n", prediction).strip()
+
+
+def _registry() -> dict:
+    from . import aggregation, niah
+
+    return {**niah.TASKS, **aggregation.TASKS}
+
+
+def task_names() -> list[str]:
+    return list(_registry())
+
+
+def make_instance(task: str, tokenizer, length: int, seed: int, chat: bool = True) -> Instance:
+    """One instance of `task`, exactly `length` tokens. chat=True wraps the task in the model's chat
+    template (a user turn, then the assistant turn opened with the answer prefix); passkey always
+    uses its benchmark's plain prompt."""
+    tasks = _registry()
+    if task not in tasks:
+        raise ValueError(f"unknown task {task!r}; tasks: {', '.join(tasks)}")
+    if not isinstance(length, int) or length < 1:
+        raise ValueError(f"length must be a positive int, got {length!r}")
+    frame = chat_frame(tokenizer) if chat else ("", "")
+    return tasks[task](tokenizer, length, seed, frame)
+
+
+__all__ = ["Instance", "make_instance", "postprocess", "string_match_all", "task_names"]

@@ -1,0 +1,121 @@
+"""compare: which rows run, the derived numbers and tables, --include, and a tiny real run."""
+import json
+
+import pytest
+
+from minikv.bench.__main__ import main
+from minikv.bench.compare import configs
+from minikv.bench.compare_report import annotate, markdown
+from minikv.policies import available
+from minikv.policies.base import _REGISTRY, parameters
+
+
+def test_every_policy_at_every_budget_and_full_first():
+    rows = configs(None, [64, 256])
+    assert rows[0] == {"spec": "full", "policy": "full", "budget": None}
+    for name in available():
+        mine = [r for r in rows if r["policy"] == name]
+        takes = "budget" in parameters(_REGISTRY[name]) and name != "full"
+        assert [r["budget"] for r in mine] == ([64, 256] if takes else [None])
+    assert [r["spec"] for r in configs(["streaming:budget=100", "streaming:R=1"], [64])] == \
+        ["full", "streaming:budget=100", "streaming:R=1,budget=64"]
+    with pytest.raises(ValueError, match="unknown policy"):
+        configs(["nope"], [64])
+    with pytest.raises(ValueError, match="no parameter"):
+        configs(["streaming:nope=1"], [64])
+
+
+def fake_result():
+    def row(policy, budget, scores, tpot, source="minikv", **extra):
+        return {"source": source, "policy": policy, "spec": policy, "budget": budget, "scores": scores,
+                "kv_mean_tokens": 100.0, "kv_peak_tokens": 120.0, "kv_share_mean": 0.5, "kv_share_peak": 0.6,
+                "recall": extra.get("recall"), "error": None,
+                "long": {"tpot_s": tpot, "ppl": 5.0, "device_tokens_peak": 50.0, "kv_share_peak": 0.25,
+                         "bytes_to_device": 2**20, "bytes_to_host": 0}}
+    return {"benchmark": "compare", "model": "smollm2", "settings": {"length": 1024, "seeds": [0]},
+            "oracle": {"64": 0.9},
+            "rows": [row("full", None, {"niah_single_1": 100.0, "cwe": 10.0, "vt": 60.0}, 0.02),
+                     row("freekv", 64, {"niah_single_1": 50.0, "cwe": 0.0, "vt": 20.0}, 0.01, recall=0.8)]}
+
+
+def test_weak_tasks_are_marked_and_left_out_of_the_mean():
+    result = fake_result()
+    annotate(result)
+    assert result["weak_tasks"] == ["cwe"]
+    free = result["rows"][1]
+    assert free["mean"] == pytest.approx(35.0)  # (50 + 20) / 2, cwe left out
+    assert free["mean_aggregation"] == pytest.approx(20.0)
+    assert free["tpot_ratio"] == pytest.approx(0.5)
+    text = markdown(result)
+    assert "| cwe † |" in text and "left out of the means" in text
+    assert "| freekv | 64 | 50 | 35.0 |" not in text  # niah and vt are in different tables
+    assert "| freekv | 64 | 50 | 50.0 | 100 | 120 | 50 | 0.50 |" in text
+    assert "| oracle (best top-b) | 64 |" in text and "0.800" in text
+
+
+def test_include_merges_rows_into_tables_and_json(tmp_path):
+    base, extra = tmp_path / "base.json", tmp_path / "kvpress.json"
+    base.write_text(json.dumps(fake_result()))
+    press = fake_result()
+    press["source"] = "kvpress"
+    for r in press["rows"]:
+        r["source"] = "kvpress"
+    press["rows"][1]["policy"] = "snapkv"
+    extra.write_text(json.dumps(press))
+    out = tmp_path / "out"
+    assert main(["compare", "--from", str(base), "--include", str(extra), "--out", str(out)]) == 0
+    merged = json.loads((out / "compare.json").read_text())
+    assert [(r["source"], r["policy"]) for r in merged["rows"]] == [
+        ("minikv", "full"), ("minikv", "freekv"), ("kvpress", "full"), ("kvpress", "snapkv")]
+    md = (out / "compare.md").read_text()
+    assert "| snapkv (kvpress) | 64 |" in md
+    assert (out / "accuracy.png").stat().st_size > 1000 and (out / "recall.png").exists()
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    assert main(["compare", "--from", str(tmp_path / "missing.json")]) == 2
+    assert main(["compare", "--tasks", "qa_1"]) == 2
+    assert main(["compare", "--policy", "nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("error: ") for line in err)
+
+
+def test_a_tiny_real_run_writes_tables_json_and_figures(smollm2, tmp_path, monkeypatch):
+    import minikv.bench.common as common
+
+    monkeypatch.setattr(common, "load_model", lambda args: smollm2)
+    import minikv.bench.compare as compare
+
+    monkeypatch.setattr(compare, "load_model", lambda args: smollm2)
+    out = tmp_path / "out"
+    argv = ["compare", "--policy", "full", "--tasks", "niah_single_1", "long", "--length", "300", "--long-prompt", "64",
+            "--long-steps", "4", "--budget", "32", "--out", str(out)]
+    assert main(argv) == 0
+    result = json.loads((out / "compare.json").read_text())
+    (row,) = result["rows"]
+    assert row["policy"] == "full" and row["error"] is None
+    assert row["scores"] == {"niah_single_1": 100.0}
+    assert row["kv_share_mean"] == pytest.approx(1.0) and row["kv_peak_tokens"] >= 300
+    assert row["long"]["steps"] == 3 and row["long"]["tpot_s"] > 0 and row["tpot_ratio"] == 1.0
+    assert 0 < result["oracle"]["32"] < 1
+    assert result["machine"]["cpu"] and result["machine"]["torch"]
+    md = (out / "compare.md").read_text()
+    assert "| policy | budget | niah_single_1 | mean | KV mean | KV peak | Mem% | TPOT x full |" in md
+    assert (out / "accuracy.png").exists() and (out / "tpot_memory.png").exists()
+
+
+@pytest.mark.slow
+def test_quick_preset_streaming_loses_needles_full_kv_finds(smollm2, tmp_path, monkeypatch):
+    # the quick preset's prompts (1,024 tokens) with their needles before the last 64 tokens:
+    # a 64-token window cannot answer what full KV answers
+    import minikv.bench.compare as compare
+
+    monkeypatch.setattr(compare, "load_model", lambda args: smollm2)
+    argv = ["compare", "--policy", "streaming", "--budget", "64", "--tasks", "passkey", "niah_single_1",
+            "niah_multikey_2", "long", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    full, stream = json.loads((tmp_path / "compare.json").read_text())["rows"]
+    assert full["scores"] == {"passkey": 100.0, "niah_single_1": 100.0, "niah_multikey_2": 100.0}
+    assert full["mean"] == 100.0 and stream["mean"] < 50
+    assert stream["kv_peak_tokens"] <= 64 and stream["long"]["device_tokens_peak"] <= 64
+    assert stream["long"]["ppl"] > full["long"]["ppl"]

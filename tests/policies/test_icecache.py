@@ -1,0 +1,249 @@
+"""icecache: GQA merge (every query head of a group reads the same pages, the budget holds, sink
+and window always present) against an oracle that ranks the tree's pages from the raw keys;
+insertion invariant at the policy (every token that left the window sits in exactly one host
+page, bit for bit); IceCache(reuse); with a budget covering the whole context, icecache's logits
+equal full KV's (a random checkpoint from reference/models and SmolLM2); retrieval on SmolLM2;
+stats, attended_indices and parameter errors."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minikv.config import ModelConfig
+from minikv.models.attention import dense_attention
+from minikv.policies import make
+from minikv.policies.dci import first_k_distinct
+
+TINY = ModelConfig(model_type="llama", vocab_size=64, hidden_size=48, intermediate_size=64, n_layers=4,
+                   n_heads=6, n_kv_heads=2, head_dim=16, max_position_embeddings=4096, rotary_dim=16)
+EXHAUSTIVE = "fov=100000,prop=1"
+
+
+def oracle_pages(layer, q, keys, n_tree):
+    """The pages an exhaustive search selects, from scratch: per query head, the tree's pages
+    ranked by the largest q.k over their keys (the keys the layer holds: tree ids < n_tree),
+    the first K; the group's lists interleaved, the first K distinct. -> (Hkv, K), -1 pads."""
+    f, K, G = layer.forest, layer.K, layer.G
+    P0 = layer.kv.n_sink * layer.kv.P  # tree id t is token P0 + t
+    if max(f.n_pages) <= K:
+        return torch.tensor([list(range(n)) + [-1] * (K - n) for n in f.n_pages])
+    lists = []
+    for j in range(q.shape[1]):
+        h = j // G
+        best = []
+        for p in range(f.n_pages[h]):
+            toks = [t for t in f.page_tokens(h, p) if t < n_tree]
+            best.append(max(float(keys[0, h, P0 + t] @ q[0, j]) for t in toks) if toks else float("-inf"))
+        best = torch.tensor(best)
+        top = best.topk(min(K, len(best))).indices
+        top = torch.where(best[top] > float("-inf"), top, -1).tolist()
+        lists.append(top + [-1] * (K - len(top)))
+    rounds = torch.tensor(lists).view(f.H, G, K).transpose(1, 2).reshape(f.H, K * G)
+    return first_k_distinct(rounds, K, f.max_pages)
+
+
+def tokens_read(layer, pages, L, n_cand):
+    """Per KV head, the tokens attention must read: sink, the pages' tokens, window."""
+    kv = layer.kv
+    P, n_sink = kv.P, kv.n_sink
+    out = []
+    for h, row in enumerate(pages.tolist()):
+        toks = list(range(min(L, n_sink * P)))
+        for p in row:
+            if p >= 0:
+                toks += [n_sink * P + t for t in layer.forest.page_tokens(h, p) if t < n_cand * P]
+        toks += range((n_sink + n_cand) * P, L)
+        out.append(toks)
+    return out
+
+
+def group_attention(q, keys, values, toks):
+    """Dense attention where the query heads of group m read exactly toks[m]."""
+    G = q.shape[1] // keys.shape[1]
+    outs = [dense_attention(q[:, m * G:(m + 1) * G], keys[:, m:m + 1, torch.tensor(t)], values[:, m:m + 1, torch.tensor(t)])
+            for m, t in enumerate(toks)]
+    return torch.cat(outs, dim=1)
+
+
+def check_host_pages(layer, keys, values):
+    """Every token that left the window sits in exactly one host page, bit for bit."""
+    kv, f = layer.kv, layer.forest
+    P0, n_tree = kv.n_sink * kv.P, kv.n_cand * kv.P
+    for h in range(kv.Hkv):
+        seen = 0
+        for p in range(f.n_pages[h]):
+            toks = [t for t in f.page_tokens(h, p) if t < n_tree]
+            assert int(kv.fill[h, p]) == len(toks) <= kv.P
+            idx = torch.tensor(toks, dtype=torch.int64) + P0
+            assert torch.equal(kv.host[p, h, 0, :len(toks)], keys[0, h, idx])
+            assert torch.equal(kv.host[p, h, 1, :len(toks)], values[0, h, idx])
+            seen += len(toks)
+        assert seen == n_tree
+
+
+@st.composite
+def icecache_cases(draw):
+    P = draw(st.sampled_from([2, 4]))
+    sink, window, select = draw(st.integers(0, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    return dict(P=P, sink=sink * P, window=window * P, budget=(sink + window + select) * P,
+                T=draw(st.integers(1, 120)), steps=draw(st.integers(1, 12)), reuse=draw(st.integers(1, 3)),
+                exhaustive=draw(st.booleans()), seed=draw(st.integers(0, 2**16)))
+
+
+def spec_of(case, backend="eager"):
+    return (f"icecache:page_size={case['P']},budget={case['budget']},sink={case['sink']},window={case['window']},"
+            f"skip_layers=1,reuse_every={case['reuse']},backend={backend}" + (f",{EXHAUSTIVE}" if case["exhaustive"] else ""))
+
+
+def run_against_oracle(case, backend="eager"):
+    policy = make(spec_of(case, backend)).bind(TINY, device="cpu", dtype=torch.float32, max_len=160)
+    g = torch.Generator().manual_seed(case["seed"])
+    n = TINY.n_layers
+    keys, values = [None] * n, [None] * n
+    for step in range(case["steps"] + 1):
+        T = case["T"] if step == 0 else 1
+        selected = {}  # anchor layer -> the pages its exhaustive search selects this step
+        for i, layer in enumerate(policy.layers):
+            q = torch.randn(1, TINY.n_heads, T, TINY.head_dim, generator=g)
+            k = torch.randn(1, TINY.n_kv_heads, T, TINY.head_dim, generator=g)
+            v = torch.randn(1, TINY.n_kv_heads, T, TINY.head_dim, generator=g)
+            keys[i] = k if step == 0 else torch.cat((keys[i], k), 2)
+            values[i] = v if step == 0 else torch.cat((values[i], v), 2)
+            if step == 0:
+                layer.prefill(q, k, v, torch.arange(T)[None])
+                continue
+            if i < 1:  # skip_layers: full KV
+                layer.decode(q, k, v, torch.tensor([[keys[i].shape[2] - 1]]))
+                assert layer.attended_indices() is None  # reads everything
+                continue
+            n_cand, L = layer.kv.n_cand, keys[i].shape[2]
+            out = layer.decode(q, k, v, None)
+            read = layer.attended_indices()  # (Hkv, n) what the policy says it read
+            toks = [sorted(t for t in row.tolist() if t >= 0) for row in read]
+            # group-consistent: every query head of group m reads toks[m], and nothing else
+            torch.testing.assert_close(out[:, :, 0], group_attention(q, keys[i], values[i], toks)[:, :, 0])
+            P = case["P"]
+            for t in toks:  # the budget holds; sink and window always present
+                assert len(t) <= case["budget"] and len(set(t)) == len(t)
+                assert set(range(min(L, case["sink"]))) <= set(t)
+                assert set(range(max(case["sink"], (case["sink"] // P + n_cand) * P), L)) <= set(t)
+            assert layer.device_tokens() <= case["budget"]
+            if case["exhaustive"] and n_cand:
+                if layer.anchor is None:
+                    selected[i] = oracle_pages(layer, q[:, :, 0], keys[i], n_cand * P)
+                anchor = i if layer.anchor is None else policy.layers.index(layer.anchor)
+                want = tokens_read(layer, selected[anchor], L, n_cand)
+                assert [sorted(t) for t in want] == toks
+            check_host_pages(layer, keys[i], values[i])
+        policy.end_step()
+    return policy
+
+
+@settings(max_examples=12)
+@given(case=icecache_cases())
+def test_gqa_merge_budget_sink_window_hold(case):
+    policy = run_against_oracle(case)
+    s = policy.stats()
+    assert s["pages_recalled"] >= 0 and 0 < s["mean_page_fill"] <= 1 or s["host_tokens"] == 0
+
+
+@settings(max_examples=1)
+@given(case=icecache_cases())
+def test_gqa_merge_triton_backend(case):
+    case.update(steps=min(case["steps"], 2), T=min(case["T"], 30))
+    run_against_oracle(case, backend="triton")
+
+
+def test_reuse_layers_share_the_anchor_tree_and_selection():
+    """IceCache(reuse), reuse_every = 3 after 2 full layers: layers 2 and 5 own trees, 3-4 and 6
+    reuse them (same pages, their own KV)."""
+    cfg = ModelConfig(**{**TINY.__dict__, "n_layers": 7})
+    policy = make("icecache:page_size=4,budget=32,sink=4,window=8,reuse_every=3").bind(
+        cfg, device="cpu", dtype=torch.float32, max_len=200)
+    kinds = [type(layer).__name__ for layer in policy.layers]
+    assert kinds[:2] == ["FullLayer"] * 2 and set(kinds[2:]) == {"IceCacheLayer"}
+    owners = [None if layer.anchor is None else policy.layers.index(layer.anchor) for layer in policy.layers[2:]]
+    assert owners == [None, 2, 2, None, 5]
+    assert policy.layers[3].forest is policy.layers[2].forest
+
+
+def test_budget_covering_the_context_equals_full_kv_random_checkpoint(reference_dir):
+    """llama_gqa3 (reference/models: 2 layers, 9 query heads over 3 KV heads, head dim 8), every
+    layer icecache, pages of 2: 80 prompt tokens then 40 decoded, through the host tier."""
+    from minikv.loading import load_model
+
+    model = load_model(reference_dir / "models" / "llama_gqa3", device="cpu", dtype=torch.float32)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 120), generator=torch.Generator().manual_seed(1))
+    logits = {}
+    for spec in ("full", "icecache:page_size=2,budget=128,sink=2,window=4,skip_layers=0",
+                 "icecache:page_size=2,budget=128,sink=2,window=4,skip_layers=0,reuse_every=2"):
+        policy = make(spec).bind(model.cfg, device="cpu", dtype=torch.float32, max_len=120)
+        out = [model(ids[:, :80], policy=policy)[:, -1]]
+        for t in range(80, 120):
+            out.append(model(ids[:, t:t + 1], positions=torch.tensor([[t]]), policy=policy)[:, -1])
+        logits[spec] = torch.stack(out)
+        if spec != "full":
+            s = policy.stats()
+            assert s["host_tokens"] > 100 and s["pages_recalled"] > 0  # really through the host tier
+        torch.testing.assert_close(logits[spec], logits["full"], rtol=1e-5, atol=1e-5)
+
+
+def test_smollm2_full_budget_equals_full_and_retrieval_stats(smollm2):
+    """SmolLM2, ~330 prompt tokens: a budget covering the context gives full KV's logits; a 96
+    token budget (sink 32, window 32, two retrieved pages) searches the trees (keys scored,
+    pages recalled, budget held)."""
+    model, tok = smollm2
+    prompt = " ".join(f"Item {i} is {i * 7 % 100}." for i in range(34)) + " Item 13 is"
+    ids = torch.tensor([tok.encode(prompt)])
+    T = ids.shape[1]
+    assert 250 < T < 500
+    logits = {}
+    for spec in ("full", "icecache:budget=512", "icecache:budget=96"):
+        policy = make(spec).bind(model.cfg, device="cpu", dtype=torch.float32, max_len=T + 8)
+        out = [model(ids, policy=policy, logits_at=torch.tensor([T - 1]))]
+        nxt = out[-1].argmax(-1)
+        for t in range(T, T + 5):
+            out.append(model(nxt[:, None], positions=torch.tensor([[t]]), policy=policy, logits_at=torch.tensor([0])))
+            nxt = out[-1].argmax(-1)
+        logits[spec] = torch.cat(out)
+        if spec == "icecache:budget=96":
+            s = policy.stats()
+            assert s["device_tokens_peak"] <= (96 * 28 + 2 * (T + 5)) / 30  # 28 icecache layers, 2 full
+            assert max(s["device_tokens_per_layer"][2:]) <= 96
+            assert s["host_tokens"] >= (T - 64) * 28 / 30 - 16
+            assert s["pages_recalled"] > 0 and 0 < s["keys_scored_fraction"] <= 1
+            assert 0 < s["mean_page_fill"] <= 1 and s["search_share"] > 0
+            read = policy.layers[10].attended_indices()
+            assert read.shape[0] == 3 and ((read >= 0).sum(1) <= 96).all()
+            assert policy.layers[0].attended_indices() is None
+    torch.testing.assert_close(logits["icecache:budget=512"], logits["full"], rtol=1e-4, atol=1e-4)
+
+
+def test_smollm2_retrieves_a_passkey_with_a_small_budget(smollm2):
+    """About 1,200 tokens, key at 30% depth: icecache with a 128-token budget (2 sink pages, 2
+    window pages, 4 retrieved pages of 16) answers it."""
+    from minikv.bench.passkey import build_prompt, draw_key, score
+    from minikv.generate import generate
+
+    model, tok = smollm2
+    key = draw_key(0)
+    ids = build_prompt(tok, 1200, 0.3, key)
+    found = generate(model, tok, ids, policy="icecache:budget=128", max_new_tokens=7, stop_at_eos=False)
+    assert score(found.text, key), found.text
+    assert found.stats["pages_recalled"] > 0 and max(found.stats["device_tokens_per_layer"][2:]) <= 128
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("icecache:budget=100", "budget must be a non-negative multiple of page_size"),
+    ("icecache:window=0", "window must be >= page_size"),
+    ("icecache:budget=64", "at least one retrieved page"),
+    ("icecache:skip_layers=-1", "skip_layers"),
+    ("icecache:reuse_every=0", "reuse_every"),
+    ("icecache:fov=0", "fov"),
+    ("icecache:prop=0", "prop"),
+    ("icecache:prop=1.5", "prop"),
+    ("icecache:page_size=0", "page_size"),
+])
+def test_impossible_parameters(spec, message):
+    with pytest.raises(ValueError, match=message):
+        make(spec)

@@ -1,0 +1,136 @@
+"""Policy spec strings: values are parsed as their parameter's type, with no model; the triton
+backend on a machine without CUDA runs in Triton's interpreter or is refused at once."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from minikv.policies import Policy, make
+from minikv.policies.base import _parse_value, _value_type, register
+
+
+@register
+class _Typed(Policy):
+    """A policy whose parameters cover every annotation style the parser reads."""
+
+    name = "_typed_test"
+
+    def __init__(self, *, flag: bool = True, count: int = 3, ratio: float = 0.5, label: str = "x",
+                 maybe: int | None = None, backend: str = "eager"):
+        super().__init__(backend=backend)
+        self.flag, self.count, self.ratio, self.label, self.maybe = flag, count, ratio, label, maybe
+
+    def make_layer(self, index):
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize("text, value", [
+    ("true", True), ("on", True), ("yes", True), ("1", True), ("TRUE", True),
+    ("false", False), ("off", False), ("no", False), ("0", False), ("Off", False),
+])
+def test_boolean_words(text, value):
+    assert make(f"_typed_test:flag={text}").flag is value
+
+
+@pytest.mark.parametrize("text", ["maybe", "2", "enabled", "", "none", "y"])
+def test_any_other_boolean_is_an_error(text):
+    with pytest.raises(ValueError, match="flag is a boolean: use true/false, on/off, yes/no or 1/0"):
+        make(f"_typed_test:flag={text}")
+
+
+def test_values_take_their_parameter_type():
+    p = make("_typed_test:count=1,ratio=1,label=1,maybe=none")
+    assert p.count == 1 and type(p.count) is int  # 1 for an int stays 1, not True
+    assert p.ratio == 1.0 and type(p.ratio) is float
+    assert p.label == "1"
+    assert p.maybe is None
+    assert make("_typed_test:maybe=7").maybe == 7
+    with pytest.raises(ValueError, match="count must be an integer, got '1.5'"):
+        make("_typed_test:count=1.5")
+    with pytest.raises(ValueError, match="count must be an integer, got 'true'"):
+        make("_typed_test:count=true")
+    with pytest.raises(ValueError, match="ratio must be a number, got 'half'"):
+        make("_typed_test:ratio=half")
+    with pytest.raises(ValueError, match="maybe must be an integer or none"):
+        make("_typed_test:maybe=some")
+
+
+def test_real_policies_parse_by_type():
+    assert make("freekv:speculative=off").speculative is False
+    assert make("freekv:speculative=1").speculative is True
+    with pytest.raises(ValueError, match="speculative is a boolean"):
+        make("freekv:speculative=maybe")
+    assert make("streaming:sink=1").sink == 1
+    assert make("softfreeze:tau=1").tau == 1.0
+    with pytest.raises(ValueError, match="egr is a boolean"):
+        make("softfreeze:egr=sometimes")
+
+
+def test_untyped_parameters_fall_back_to_the_first_fitting_type():
+    import inspect
+
+    def f(*, a=None, b):  # no annotation, no informative default
+        pass
+
+    params = inspect.signature(f).parameters
+    assert _value_type(params["a"]) == (None, True) and _value_type(params["b"]) == (None, False)
+    assert _parse_value("on") is True and _parse_value("12") == 12 and _parse_value("1.5") == 1.5
+    assert _parse_value("text") == "text" and _parse_value("none") is None
+
+
+# -- backend=triton without CUDA -----------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path is for machines without CUDA")
+def test_triton_backend_without_cuda_runs_in_the_interpreter_after_torch_imported_triton():
+    """The crash the README's first users met: building a model on the meta device makes torch
+    import triton (torch._dynamo), in compiled mode unless TRITON_INTERPRET was set before, and a
+    triton-backend policy then failed at its first kernel call, mid-generation. Importing minikv
+    selects the interpreter first; the policy warns once and computes what eager computes."""
+    script = textwrap.dedent("""
+        import warnings
+        import torch
+        import minikv
+        from minikv.config import ModelConfig
+        from minikv.models import build_model
+        from minikv.policies import make
+        import triton.language.standard as standard  # torch imports triton while building models
+
+        cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, n_layers=2,
+                          n_heads=4, n_kv_heads=2, head_dim=8, max_position_embeddings=256, rotary_dim=8)
+        with torch.device("meta"):
+            build_model(cfg)
+        torch.manual_seed(0)
+        model = build_model(cfg).eval()
+        ids = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(1))
+        logits = {}
+        for backend in ("eager", "triton"):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                policy = make(f"freekv:page_size=4,budget=24,sink=4,window=8,backend={backend}")
+            assert [str(w.message).startswith("backend=triton without CUDA") for w in caught] == (
+                [True] if backend == "triton" else []), caught
+            policy.bind(cfg, device="cpu", dtype=torch.float32, max_len=48)
+            out = [model(ids[:, :32], policy=policy)[:, -1]]
+            for t in range(32, 36):
+                out.append(model(ids[:, t:t + 1], positions=torch.tensor([[t]]), policy=policy)[:, -1])
+            logits[backend] = torch.stack(out)
+        torch.testing.assert_close(logits["triton"], logits["eager"], rtol=1e-4, atol=1e-4)
+        print("ok", type(standard.max).__name__)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["OMP_NUM_THREADS"] = "1"
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600,
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split() == ["ok", "InterpretedFunction"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path is for machines without CUDA")
+def test_triton_backend_is_refused_at_once_when_the_interpreter_is_off(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # e.g. a user who set it so before starting Python
+    with pytest.raises(ValueError, match="needs Triton's interpreter.*TRITON_INTERPRET=1"):
+        make("freekv:backend=triton")
