@@ -59,7 +59,8 @@ def summarize(runs: list[dict], new_tokens: int) -> dict:
     }
 
 
-def check_args(args) -> None:
+def check(args) -> None:
+    """Flags this benchmark adds, checked before the model loads."""
     if args.new_tokens < 2:
         raise ValueError(f"--new-tokens must be >= 2 (one decode step at least), got {args.new_tokens}")
     if args.repeats < 1 or args.warmup < 0:
@@ -74,7 +75,6 @@ def baseline_policy(policies: list[str]) -> str:
 
 
 def run(args) -> int:
-    check_args(args)
     policies = args.policy or ["full"]
     base = baseline_policy(policies)
     model, tokenizer = load_model(args)
