@@ -175,7 +175,8 @@ def main() -> int:
               "machine": {"cpu": cpu, "cpu_threads": torch.get_num_threads(), "torch": torch.__version__,
                           "transformers": transformers.__version__, "kvpress": kvpress.__version__
                           if hasattr(kvpress, "__version__") else "0.5.5", "python": platform.python_version()}}
-    for name, budget in [("full", None)] + [(n, b) for n in args.press for b in args.budget]:
+    # budget by budget, every press at each: a run cut short still compares the presses
+    for name, budget in [("full", None)] + [(n, b) for b in args.budget for n in args.press]:
         try:
             result["rows"].append(run_row(model, tok, name, budget, instances, long_ids, settings))
         except Exception as e:  # noqa: BLE001  a press that fails on this model is a row that says so

@@ -2,7 +2,8 @@
 
 The marking scheme (README.md, section Tests, says the same):
 - ```python blocks run in order, in one namespace, in this process. minikv.load("smollm2") there
-  hands out the session's model (the block's call is checked for its arguments), so the blocks
+  hands out the session's model, and transformers' from_pretrained of the bundled GGUF the
+  session's transformers copy (the blocks' calls are checked for their arguments), so the blocks
   cost only their generation. A `print(...)  # text` line says what it prints: `text` must be in
   the output.
 - ```bash blocks: each command (backslash continuations joined, comments dropped) runs from the
@@ -24,6 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"^```(\w*)\s*$")
@@ -82,14 +84,24 @@ def test_the_marking_scheme_holds():
     assert "papers/" not in (ROOT / "README.md").read_text(), "cite papers by title and link, not by a path"
 
 
-def test_python_blocks_run_and_print_what_they_say(smollm2, monkeypatch):
+def test_python_blocks_run_and_print_what_they_say(smollm2, hf_smollm2, monkeypatch):
     import minikv
+    from transformers import AutoModelForCausalLM
+
+    from minikv.loading import smollm2_gguf_path
 
     def load(name, *args, **kwargs):
         assert name == "smollm2" and not args and not kwargs, (name, args, kwargs)
         return smollm2
 
+    def from_pretrained(path, *args, gguf_file=None, dtype=None, **kwargs):
+        # transformers reading the bundled GGUF: the session's copy (tests/fixtures.py, hf_smollm2)
+        gguf = smollm2_gguf_path()
+        assert (str(path), gguf_file, dtype) == (str(gguf.parent), gguf.name, torch.float32) and not args and not kwargs
+        return hf_smollm2
+
     monkeypatch.setattr(minikv, "load", load)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
     namespace: dict = {}
     for b in (b for b in BLOCKS if b["lang"] == "python"):
         out = io.StringIO()

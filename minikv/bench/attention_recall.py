@@ -3,8 +3,8 @@
     python -m minikv.bench recall --policy freekv --budget 128 --budget 256 --prompt-length 2048
 
 Attention recall is the share of full attention's probability mass that falls on the tokens a
-policy lets attention read (the measure of Quest, Tang et al., ICML 2024, and of the IceCache and
-FreeKV papers). It is measured on the side: a RecallProbe wraps each layer of a bound policy,
+policy lets attention read: what a retrieval policy (freekv, icecache, ...) must keep high for its
+output to stay close to full attention's. It is measured on the side: a RecallProbe wraps each layer of a bound policy,
 keeps a shadow copy of every key (after RoPE, at its absolute position), and after each decode
 step computes softmax(q k^T / sqrt(d)) per query head over all tokens so far, then sums that
 head's mass on the indices its KV head read, as the layer reports them:

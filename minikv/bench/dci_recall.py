@@ -65,19 +65,26 @@ def add_arguments(p) -> None:
     add_common_arguments(p)
 
 
+def check(args) -> None:
+    """The flags that need no model (python -m minikv.bench calls this before loading it)."""
+    for name, values in (("--keys", args.keys), ("--queries", [args.queries]), ("--k", [args.k])):
+        if min(values) < 1:
+            raise ValueError(f"{name} must be >= 1, got {min(values)}")
+    if args.k > min(args.keys):
+        raise ValueError(f"--k {args.k} is more than the smallest tree ({min(args.keys)} keys)")
+    if min(args.layers) < 0:
+        raise ValueError(f"--layers are layer indices >= 0, got {min(args.layers)}")
+
+
 def run(args) -> int:
-    if min(args.keys) < 1 or args.queries < 1 or args.k < 1:
-        print("error: --keys, --queries and --k must be positive", file=sys.stderr)
-        return 2
+    check(args)
     model, tok = load_model(args)
     bad = [i for i in args.layers if not 0 <= i < model.cfg.n_layers]
     if bad:
-        print(f"error: layers {bad} outside the model's 0..{model.cfg.n_layers - 1}", file=sys.stderr)
-        return 2
+        raise ValueError(f"--layers {bad} outside the model's layers 0..{model.cfg.n_layers - 1}")
     total = max(args.keys) + args.queries
     if total > model.cfg.max_position_embeddings:
-        print(f"error: {total} tokens exceed the model's context of {model.cfg.max_position_embeddings}", file=sys.stderr)
-        return 2
+        raise ValueError(f"{total} tokens exceed the model's context of {model.cfg.max_position_embeddings}")
     print(f"recording q and k of {len(args.layers)} layers over {total} tokens ...", file=sys.stderr, flush=True)
     qk = record_qk(model, text_ids(tok, total), args.layers)
     rows = []

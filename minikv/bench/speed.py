@@ -17,15 +17,23 @@ Bandwidth: a decode step reads every weight once (the tied embedding again as th
 plus the KV its attention reads; bytes per step / TPOT is the achieved bandwidth. At the start of
 the run the benchmark measures the machine's read bandwidth with the same thread count (a large
 tensor summed, median of 5), and reports the achieved bandwidth as a share of it.
+
+--lockstep: one prefill forward for all policies (bench passkey's SharedPrefill: their prefill
+outputs must agree), then the policies decode in lockstep, step t of every policy before step
+t + 1 of any, each greedy on its own tokens. On a machine whose load changes during a run this
+keeps the TPOT ratios fair (every policy's step t runs within seconds of the others'), and it
+costs one long prefill instead of one per policy and repeat. TTFT is not per policy then ('-').
 """
 from __future__ import annotations
 
 import statistics
 import sys
+import time
 
 import torch
 
-from ..generate import decode_bandwidth, generate
+from ..generate import decode_bandwidth, decode_one_token, generate, weight_bytes_per_step
+from ..policies import make
 from .common import add_common_arguments, load_model, measure_read_bandwidth, print_table, text_ids, write_json
 
 
@@ -36,6 +44,8 @@ def add_arguments(p) -> None:
     p.add_argument("--new-tokens", type=int, default=64, help="tokens to generate per run (default 64)")
     p.add_argument("--repeats", type=int, default=3, help="runs per cell; the median is reported")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs before measuring")
+    p.add_argument("--lockstep", action="store_true",
+                   help="one shared prefill, then every policy decodes step by step in turn (no TTFT per policy)")
     p.add_argument("--png", default=None, metavar="FILE",
                    help="plot TPOT against prompt length, one line per policy (needs matplotlib)")
 
@@ -74,6 +84,35 @@ def baseline_policy(policies: list[str]) -> str:
     return next((p for p in policies if p.split(":")[0].strip() == "full"), policies[0])
 
 
+def lockstep_runs(model, ids: list[int], specs: list[str], new_tokens: int) -> dict[str, dict]:
+    """One shared prefill, then greedy decoding of every policy in lockstep -> {spec: stats}
+    with tpot_s the mean step time, token_ids the new_tokens tokens, and the policy's own stats."""
+    from .passkey import SharedPrefill
+
+    policies = [make(s).bind(model.cfg, device=model.device, dtype=model.dtype, max_len=len(ids) + new_tokens)
+                for s in specs]
+    x = torch.tensor([ids], device=model.device)
+    logits = model(x, policy=SharedPrefill(policies, specs), logits_at=torch.tensor([len(ids) - 1], device=model.device))
+    token = [logits.argmax(-1)] * len(specs)
+    times = [[] for _ in specs]
+    produced = [[int(token[0])] for _ in specs]
+    for step in range(new_tokens - 1):
+        position = torch.tensor([len(ids) + step], device=model.device)
+        for j, policy in enumerate(policies):
+            t0 = time.perf_counter()
+            out = decode_one_token(model, token[j], position, policy)
+            times[j].append(time.perf_counter() - t0)
+            token[j] = out.argmax(-1)
+            produced[j].append(int(token[j]))
+    found = {}
+    for spec, policy, ts, toks in zip(specs, policies, times, produced):
+        stats = policy.stats()
+        stats.update(ttft_s=float("nan"), tpot_s=sum(ts) / len(ts), token_ids=toks)
+        stats.update(decode_bandwidth(weight_bytes_per_step(model) + stats["kv_bytes_read_per_step"], stats["tpot_s"]))
+        found[spec] = stats
+    return found
+
+
 def run(args) -> int:
     policies = args.policy or ["full"]
     base = baseline_policy(policies)
@@ -83,18 +122,25 @@ def run(args) -> int:
     rows = []
     for n in args.prompt_lengths:
         ids = text_ids(tokenizer, n)
-        runs = {policy: [] for policy in policies}
-        # policies take turns, run by run, so that a noisy shared machine slows them alike
-        for i in range(args.warmup + args.repeats):
-            for policy in policies:
-                print(f"prompt {n}, round {i + 1}/{args.warmup + args.repeats}: {policy}", file=sys.stderr)
-                stats = generate(model, tokenizer, ids, policy=policy, max_new_tokens=args.new_tokens,
-                                 stop_at_eos=False).stats
-                if i >= args.warmup:
-                    runs[policy].append(stats)
+        if args.lockstep:
+            print(f"prompt {n}: lockstep", file=sys.stderr)
+            found = lockstep_runs(model, ids, policies, args.new_tokens)
+            runs = {policy: [found[policy]] for policy in policies}
+        else:
+            runs = {policy: [] for policy in policies}
+            # policies take turns, run by run, so that a noisy shared machine slows them alike
+            for i in range(args.warmup + args.repeats):
+                for policy in policies:
+                    print(f"prompt {n}, round {i + 1}/{args.warmup + args.repeats}: {policy}", file=sys.stderr)
+                    stats = generate(model, tokenizer, ids, policy=policy, max_new_tokens=args.new_tokens,
+                                     stop_at_eos=False).stats
+                    if i >= args.warmup:
+                        runs[policy].append(stats)
         cells = []
         for policy in policies:
             row = {"policy": policy, "prompt_tokens": n, **summarize(runs[policy], args.new_tokens)}
+            if args.lockstep:
+                row["ttft_s"] = None  # one shared prefill: no time to first token per policy
             row["tokens_per_s"] = 1.0 / row["tpot_s"]
             row["tpot_ms"] = 1000 * row["tpot_s"]
             row.update(decode_bandwidth(row["bytes_per_token"], row["tpot_s"], read_bw))

@@ -49,8 +49,6 @@ and prop = 1 every point is scored: the search is exact.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..kernels.dci_scores import dci_scores

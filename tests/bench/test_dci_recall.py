@@ -4,13 +4,16 @@ import torch
 
 from minikv.bench.__main__ import main
 from minikv.bench.dci_recall import tree_recall
+from minikv.cli import run_command
 
 
 def test_bad_arguments_exit_2(capsys):
-    assert main(["dci-recall", "--keys", "0"]) == 2
-    assert main(["dci-recall", "--k", "0"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("error: ") == 2 and "Traceback" not in err
+    assert run_command(main, ["dci-recall", "--keys", "0"]) == 2
+    assert run_command(main, ["dci-recall", "--k", "0"]) == 2
+    assert run_command(main, ["dci-recall", "--keys", "10", "--k", "16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("error: ") for line in err)
+    assert run_command(main, ["--check", "dci-recall", "--keys", "2000", "4000"]) == 0
 
 
 def test_tree_recall_exhaustive_is_exact():

@@ -66,3 +66,20 @@ def test_weight_bytes_count_an_untied_embedding_as_one_row(reference_dir, name):
         assert weight_bytes_per_step(model) == every
     else:
         assert weight_bytes_per_step(model) == every - embedding.numel() * 2 + embedding.shape[1] * 2
+
+
+def test_lockstep_decodes_what_generate_decodes(smollm2):
+    """--lockstep: one shared prefill, policies in turn step by step; each policy's tokens are
+    those a run of its own produces."""
+    from minikv.bench.common import text_ids
+    from minikv.bench.speed import lockstep_runs
+    from minikv.generate import generate
+
+    model, tok = smollm2
+    ids = text_ids(tok, 200)
+    specs = ["full", "icecache:budget=96"]
+    found = lockstep_runs(model, ids, specs, 4)
+    for spec in specs:
+        alone = generate(model, tok, ids, policy=spec, max_new_tokens=4, stop_at_eos=False)
+        assert found[spec]["token_ids"] == alone.token_ids and found[spec]["tpot_s"] > 0
+        assert found[spec]["bytes_per_token"] > 0 and found[spec]["bandwidth_gb_s"] > 0

@@ -6,7 +6,6 @@ against exact maximum inner product on random keys and on SmolLM2's keys (exhaus
 give recall 1.0 and the exact pages)."""
 import math
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
