@@ -151,16 +151,23 @@ def add_arguments(p) -> None:
     add_common_arguments(p)
 
 
+def check(args) -> None:
+    """The flags that need no model (python -m minikv.bench calls this before loading it)."""
+    from .compare import BUDGETS, configs
+
+    budgets = sorted(set(args.budget or BUDGETS))
+    if args.prompt_length < 1 or args.steps < 2 or min(budgets) < 1:
+        raise ValueError("--prompt-length, --budget must be positive and --steps at least 2")
+    return configs(args.policy or [n for n in available() if n != "full"], budgets), budgets
+
+
 def run(args) -> int:
     import sys
 
-    from .compare import BUDGETS, configs, long_pass
+    from .compare import long_pass
 
-    budgets = sorted(set(args.budget or BUDGETS))
     try:
-        if args.prompt_length < 1 or args.steps < 2 or min(budgets) < 1:
-            raise ValueError("--prompt-length, --budget must be positive and --steps at least 2")
-        rows = configs(args.policy or [n for n in available() if n != "full"], budgets)
+        rows, budgets = check(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -5,11 +5,14 @@
     text_ids(tok, n)               the first n tokens of the standard library's pydoc_data.topics
     print_table(rows, columns)     a plain text table; columns: (header, key, format)
     write_json(path, payload)      the numbers, plus the machine they were measured on
+    measure_read_bandwidth()       the machine's read bandwidth with the current thread count
 """
 from __future__ import annotations
 
 import json
 import platform
+import statistics
+import time
 
 import torch
 
@@ -73,3 +76,22 @@ def write_json(path: str | None, payload: dict) -> None:
     if path:
         with open(path, "w") as f:
             json.dump({**payload, "environment": environment()}, f, indent=2)
+
+
+def measure_read_bandwidth(device="cpu", mbytes: int = 256, repeats: int = 5) -> float:
+    """Bytes/s one large-tensor read reaches on `device` with torch's current thread count: the
+    median of `repeats` timed sums over a float32 tensor of `mbytes` MB, far larger than the CPU's
+    caches, so that every byte comes from memory. This is the line a decode step, which reads
+    every weight once, can at best reach."""
+    device = torch.device(device)
+    x = torch.ones(mbytes * 2**20 // 4, dtype=torch.float32, device=device)
+    times = []
+    for _ in range(repeats + 1):  # the first read warms up (page faults, kernel launch)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        x.sum()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * x.element_size() / statistics.median(times[1:])

@@ -255,6 +255,14 @@ def settings_of(args) -> dict:
     return s
 
 
+def check(args) -> None:
+    """The flags that need no model (python -m minikv.bench calls this before loading it)."""
+    for path in args.include + ([args.from_json] if args.from_json else []):
+        load_rows(path)
+    if not args.from_json:
+        configs(args.policy, settings_of(args)["budgets"])
+
+
 def run(args) -> int:
     try:
         if args.from_json:

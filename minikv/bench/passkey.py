@@ -236,7 +236,9 @@ def run(args) -> int:
                     answers[spec, length, depth, seed] = ok
                     trials.append({"policy": spec, "length": length, "depth": depth, "seed": seed, "key": key,
                                    "answer": text, "found": ok,
-                                   "device_tokens_peak": found[spec]["stats"]["device_tokens_peak"]})
+                                   "device_tokens_peak": found[spec]["stats"]["device_tokens_peak"],
+                                   # device KV as a share of full KV, for policies that report it (synckv)
+                                   "mem_percent": found[spec]["stats"].get("mem_percent")})
                     print(f"  {spec} length={length} depth={depth} seed={seed}: key {key}, "
                           f"answer {text!r} -> {'found' if ok else 'missed'}", file=sys.stderr, flush=True)
     rows = []
@@ -244,10 +246,14 @@ def run(args) -> int:
         for length in args.lengths:
             for depth in args.depths:
                 hits = sum(answers[spec, length, depth, seed] for seed in args.seeds)
+                mem = [t["mem_percent"] for t in trials if t["mem_percent"] is not None
+                       and (t["policy"], t["length"], t["depth"]) == (spec, length, depth)]
                 rows.append({"policy": spec, "length": length, "depth": depth, "found": hits,
-                             "trials": len(args.seeds), "accuracy": hits / len(args.seeds)})
+                             "trials": len(args.seeds), "accuracy": hits / len(args.seeds),
+                             "mem_percent": sum(mem) / len(mem) if mem else None})
     print_table(rows, [("policy", "policy", ""), ("length", "length", "d"), ("depth", "depth", ".2f"),
-                       ("found", "found", "d"), ("trials", "trials", "d"), ("accuracy", "accuracy", ".2f")],
+                       ("found", "found", "d"), ("trials", "trials", "d"), ("accuracy", "accuracy", ".2f"),
+                       ("Mem%", "mem_percent", ".1f")],
                 title=f"passkey retrieval, {args.model}, greedy, {args.new_tokens} new tokens")
     totals = over_depths(rows)
     if len(args.depths) > 1:

@@ -124,6 +124,7 @@ def run(args) -> int:
                "ppl_sub": ppl(nll, sub) if sub else None, "tpot_s": tpot(ts),
                "kv_mb": st["device_bytes_allocated"] / 2**20, "peak_tokens": st["device_tokens_peak"],
                "prune_events": st.get("prune_events"), "drop_mean": st.get("dropped_per_event_mean"),
+               "mem_percent": st.get("mem_percent"),  # policies that report it (synckv): device KV / full KV
                "step_times_s": ts}
         for at in args.tpot_at:
             row[f"tpot_at_{at}_s"] = tpot(ts, at)
@@ -142,7 +143,7 @@ def run(args) -> int:
     columns = [("method", "method", ""), ("TPOT ms", "tpot_ms", ".1f"), ("TPOT x full", "tpot_x_full", ".2f"),
                ("PPL", "ppl", ".3f"), (f"PPL first {args.short}", "ppl_short", ".3f"), ("PPL sub", "ppl_sub", ".3f"),
                ("KV MB", "kv_mb", ".1f"), ("peak tok", "peak_tokens", ".0f"), ("prunes", "prune_events", "d"),
-               ("drop/prune", "drop_mean", ".1f")]
+               ("drop/prune", "drop_mean", ".1f"), ("Mem%", "mem_percent", ".1f")]
     columns += [(f"TPOT@{at} ms", f"tpot_at_{at}_ms", ".1f") for at in args.tpot_at]
     print_table(rows, columns, title=f"{args.model}, {N} tokens of pydoc_data.topics, one token per step, C = {C}")
     write_json(args.json, {"benchmark": "ppl", "model": args.model, "tokens": N, "context": C,

@@ -1,11 +1,22 @@
-"""speed: time to first token, time per output token and tokens/s, per policy and prompt length.
+"""speed: time to first token, time per output token (TPOT), achieved bandwidth, per policy and
+prompt length.
 
     python -m minikv.bench speed --prompt-lengths 500 2000 --policy full --policy streaming:window=252
+    python -m minikv.bench speed --prompt-lengths 1000 2000 4000 8000 --policy full \\
+        --policy streaming --png docs/speed_context.png
 
 Prompts are the first N tokens of the standard library's pydoc_data.topics text; generation
-ignores EOS so every run decodes --new-tokens tokens. The first policy is the baseline of the
-`vs first` column (its time per token divided by this row's: above 1 is faster). Policies take
-turns run by run (--warmup untimed rounds, then --repeats timed ones) and medians are reported.
+ignores EOS so every run decodes --new-tokens tokens. Policies take turns run by run (--warmup
+untimed rounds, then --repeats timed ones) and medians are reported, so a noisy machine slows
+them alike.
+
+Ratios follow one convention: this / baseline, the baseline being the `full` policy when it is
+in the run, else the first policy: `TPOT x full` 0.5 is twice as fast, lower is better.
+
+Bandwidth: a decode step reads every weight once (the tied embedding again as the output head)
+plus the KV its attention reads; bytes per step / TPOT is the achieved bandwidth. At the start of
+the run the benchmark measures the machine's read bandwidth with the same thread count (a large
+tensor summed, median of 5), and reports the achieved bandwidth as a share of it.
 
 --lockstep: one prefill forward for all policies (bench passkey's SharedPrefill: their prefill
 outputs must agree), then the policies decode in lockstep, step t of every policy before step
@@ -16,13 +27,14 @@ costs one long prefill instead of one per policy and repeat. TTFT is not per pol
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import torch
 
-from ..generate import decode_one_token, generate
+from ..generate import decode_bandwidth, decode_one_token, generate, weight_bytes_per_step
 from ..policies import make
-from .common import add_common_arguments, load_model, print_table, text_ids, write_json
+from .common import add_common_arguments, load_model, measure_read_bandwidth, print_table, text_ids, write_json
 
 
 def add_arguments(p) -> None:
@@ -34,6 +46,8 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed runs before measuring")
     p.add_argument("--lockstep", action="store_true",
                    help="one shared prefill, then every policy decodes step by step in turn (no TTFT per policy)")
+    p.add_argument("--png", default=None, metavar="FILE",
+                   help="plot TPOT against prompt length, one line per policy (needs matplotlib)")
 
 
 def summarize(runs: list[dict], new_tokens: int) -> dict:
@@ -43,6 +57,7 @@ def summarize(runs: list[dict], new_tokens: int) -> dict:
         "tpot_s": statistics.median(r["tpot_s"] for r in runs),
         "device_tokens_peak": runs[-1]["device_tokens_peak"],
         "device_bytes": runs[-1]["device_bytes_allocated"],
+        "bytes_per_token": runs[-1]["bytes_per_token"],
         # policies that time their selection and recall (freekv) say what share of decoding it took
         "overhead_share": statistics.median(
             (r["select_s"] + r["recall_s"]) / (r["tpot_s"] * (new_tokens - 1)) for r in runs) if "select_s" in runs[-1] else None,
@@ -52,6 +67,21 @@ def summarize(runs: list[dict], new_tokens: int) -> dict:
         "recall_share": statistics.median(
             r["recall_s"] / (r["tpot_s"] * (new_tokens - 1)) for r in runs) if "recall_s" in runs[-1] else None,
     }
+
+
+def check(args) -> None:
+    """Flags this benchmark adds, checked before the model loads."""
+    if args.new_tokens < 2:
+        raise ValueError(f"--new-tokens must be >= 2 (one decode step at least), got {args.new_tokens}")
+    if args.repeats < 1 or args.warmup < 0:
+        raise ValueError("--repeats must be >= 1 and --warmup >= 0")
+    if any(n < 1 for n in args.prompt_lengths):
+        raise ValueError(f"prompt lengths must be >= 1, got {args.prompt_lengths}")
+
+
+def baseline_policy(policies: list[str]) -> str:
+    """The denominator of every ratio: `full` when it runs, else the first policy."""
+    return next((p for p in policies if p.split(":")[0].strip() == "full"), policies[0])
 
 
 def lockstep_runs(model, ids: list[int], specs: list[str], new_tokens: int) -> dict[str, dict]:
@@ -78,44 +108,84 @@ def lockstep_runs(model, ids: list[int], specs: list[str], new_tokens: int) -> d
     for spec, policy, ts, toks in zip(specs, policies, times, produced):
         stats = policy.stats()
         stats.update(ttft_s=float("nan"), tpot_s=sum(ts) / len(ts), token_ids=toks)
+        stats.update(decode_bandwidth(weight_bytes_per_step(model) + stats["kv_bytes_read_per_step"], stats["tpot_s"]))
         found[spec] = stats
     return found
 
 
 def run(args) -> int:
     policies = args.policy or ["full"]
+    base = baseline_policy(policies)
     model, tokenizer = load_model(args)
+    read_bw = measure_read_bandwidth(model.device)
+    print(f"read bandwidth: {read_bw / 1e9:.1f} GB/s (large-tensor sum, median of 5)", file=sys.stderr)
     rows = []
     for n in args.prompt_lengths:
         ids = text_ids(tokenizer, n)
         if args.lockstep:
+            print(f"prompt {n}: lockstep", file=sys.stderr)
             found = lockstep_runs(model, ids, policies, args.new_tokens)
-            for policy in policies:
-                row = {"policy": policy, "prompt_tokens": n, **summarize([found[policy]], args.new_tokens)}
-                row["ttft_s"] = None
-                row["tokens_per_s"] = 1.0 / row["tpot_s"]
-                row["tpot_ms"] = 1000 * row["tpot_s"]
-                base = next((r for r in rows if r["prompt_tokens"] == n), row)
-                row["vs_first"] = base["tpot_s"] / row["tpot_s"]
-                rows.append(row)
-            continue
-        runs = {policy: [] for policy in policies}
-        # policies take turns, run by run, so that a noisy shared machine slows them alike
-        for i in range(args.warmup + args.repeats):
-            for policy in policies:
-                stats = generate(model, tokenizer, ids, policy=policy, max_new_tokens=args.new_tokens,
-                                 stop_at_eos=False).stats
-                if i >= args.warmup:
-                    runs[policy].append(stats)
+            runs = {policy: [found[policy]] for policy in policies}
+        else:
+            runs = {policy: [] for policy in policies}
+            # policies take turns, run by run, so that a noisy shared machine slows them alike
+            for i in range(args.warmup + args.repeats):
+                for policy in policies:
+                    print(f"prompt {n}, round {i + 1}/{args.warmup + args.repeats}: {policy}", file=sys.stderr)
+                    stats = generate(model, tokenizer, ids, policy=policy, max_new_tokens=args.new_tokens,
+                                     stop_at_eos=False).stats
+                    if i >= args.warmup:
+                        runs[policy].append(stats)
+        cells = []
         for policy in policies:
             row = {"policy": policy, "prompt_tokens": n, **summarize(runs[policy], args.new_tokens)}
+            if args.lockstep:
+                row["ttft_s"] = None  # one shared prefill: no time to first token per policy
             row["tokens_per_s"] = 1.0 / row["tpot_s"]
             row["tpot_ms"] = 1000 * row["tpot_s"]
-            base = next((r for r in rows if r["prompt_tokens"] == n), row)
-            row["vs_first"] = base["tpot_s"] / row["tpot_s"]
-            rows.append(row)
+            row.update(decode_bandwidth(row["bytes_per_token"], row["tpot_s"], read_bw))
+            row["bytes_per_token_mb"] = row["bytes_per_token"] / 1e6
+            cells.append(row)
+        base_row = next(r for r in cells if r["policy"] == base)
+        for row in cells:
+            row["tpot_vs_base"] = row["tpot_s"] / base_row["tpot_s"]
+        rows += cells
     print_table(rows, [("policy", "policy", ""), ("prompt", "prompt_tokens", "d"), ("TTFT s", "ttft_s", ".3f"),
-                       ("TPOT ms", "tpot_ms", ".2f"), ("tok/s", "tokens_per_s", ".1f"), ("vs first", "vs_first", ".2f"),
-                       ("peak device tokens", "device_tokens_peak", ".0f"), ("select+recall share", "overhead_share", ".2f")])
-    write_json(args.json, {"benchmark": "speed", "model": args.model, "new_tokens": args.new_tokens, "rows": rows})
+                       ("TPOT ms", "tpot_ms", ".2f"), (f"TPOT x {base} (lower is better)", "tpot_vs_base", ".2f"),
+                       ("tok/s", "tokens_per_s", ".1f"), ("MB read/token", "bytes_per_token_mb", ".0f"),
+                       ("GB/s", "bandwidth_gb_s", ".1f"), ("of read BW", "bandwidth_share", ".0%"),
+                       ("peak device tokens", "device_tokens_peak", ".0f"), ("select+recall share", "overhead_share", ".2f")],
+                title=f"read bandwidth {read_bw / 1e9:.1f} GB/s, {environment_line(model)}")
+    if args.png:
+        plot_context(rows, policies, args.png, title=f"{args.model}, {environment_line(model)}, {args.new_tokens} new tokens")
+    write_json(args.json, {"benchmark": "speed", "model": args.model, "new_tokens": args.new_tokens,
+                           "baseline": base, "read_bandwidth_gb_s": read_bw / 1e9, "rows": rows})
     return 0
+
+
+def environment_line(model) -> str:
+    where = "CUDA" if model.device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    return f"{str(model.dtype).replace('torch.', '')}, {where}"
+
+
+def plot_context(rows: list[dict], policies: list[str], path: str, title: str) -> None:
+    """TPOT against prompt length, one line per policy (matplotlib, imported only here)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for policy in policies:
+        mine = [r for r in rows if r["policy"] == policy]
+        ax.plot([r["prompt_tokens"] for r in mine], [r["tpot_ms"] for r in mine], marker="o", label=policy)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("time per output token, ms")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}", file=sys.stderr)

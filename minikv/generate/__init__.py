@@ -187,7 +187,7 @@ def generate(model, tokenizer, prompt, policy="full", max_new_tokens: int = DEFA
     new, step_times = decode_n_tokens(model, logits, lengths, policy, max_new_tokens, eos_ids,
                                       (temperature, top_k, top_p), generator, on_token)
     total = time.perf_counter() - t0
-    stats = generation_stats(policy, prompts, new, ttft, step_times, total)
+    stats = generation_stats(policy, prompts, new, ttft, step_times, total, model)
     texts = [tokenizer.decode([t for t in row if t not in eos_ids]) for row in new]
     if not batched:
         return GenerationResult(texts[0], new[0], stats)
@@ -202,9 +202,26 @@ def sequence_stats(prompt: list[int], new: list[int], eos_ids, max_new_tokens: i
     return {"prompt_tokens": len(prompt), "new_tokens": len(new), "finish": finish}
 
 
-def generation_stats(policy, prompts, new, ttft, step_times, total) -> dict:
-    """The run's numbers: token counts summed over the batch, timing (tpot_s and tokens_per_s
-    are None when a single token was generated: no decode step was timed), the policy's stats."""
+def weight_bytes_per_step(model) -> int:
+    """Bytes of weights one decode step reads: every parameter once, except the input embedding,
+    of which a step reads one row per sequence (unless it is tied to the output head, which reads
+    it whole: parameters() lists a tied tensor once)."""
+    embedding, head = model.embed.weight, model.lm_head.weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding or p is head)
+    return total + (embedding[0].numel() * embedding.element_size() if embedding is not head else 0)
+
+
+def decode_bandwidth(bytes_per_step: float, tpot_s: float, read_bandwidth: float | None = None) -> dict:
+    """Achieved bandwidth of decoding (bytes read per step / time per step), and its share of the
+    machine's read bandwidth (bytes/s, e.g. bench.common.measure_read_bandwidth()) when given."""
+    achieved = bytes_per_step / tpot_s
+    out = {"bytes_per_token": bytes_per_step, "bandwidth_gb_s": achieved / 1e9}
+    if read_bandwidth:
+        out.update(read_bandwidth_gb_s=read_bandwidth / 1e9, bandwidth_share=achieved / read_bandwidth)
+    return out
+
+
+def generation_stats(policy, prompts, new, ttft, step_times, total, model=None) -> dict:
     n_new = sum(len(row) for row in new)
     tpot = sum(step_times) / len(step_times) if step_times else None
     stats = {
@@ -217,4 +234,7 @@ def generation_stats(policy, prompts, new, ttft, step_times, total) -> dict:
         "total_s": total,
     }
     stats.update(policy.stats())
+    if model is not None and step_times:
+        # what one decode step reads: the weights, and the KV the policy's attention read
+        stats.update(decode_bandwidth(weight_bytes_per_step(model) + stats["kv_bytes_read_per_step"], tpot))
     return stats

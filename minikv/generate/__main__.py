@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from . import DEFAULT_MAX_NEW_TOKENS, check_sampling, generate
+from . import DEFAULT_MAX_NEW_TOKENS, check_sampling, decode_bandwidth, generate
 from ..cli import check_common, check_positive, run_command
 
 DEFAULT_THREADS = 1  # see --threads
@@ -56,7 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=None, help="random seed: same seed, same text")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence (benchmarks)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on CUDA and on CPUs with native bfloat16, else float32)")
     p.add_argument("--threads", type=int, default=DEFAULT_THREADS,
                    help="torch CPU threads (default: %(default)s; on cores shared with other busy processes more "
                         "threads can make decoding many times slower, see the README)")
@@ -204,6 +204,10 @@ def main(argv=None) -> int:
         sys.stdout.flush()
     if not args.quiet and not interrupted:
         print(summary_line(stats), file=sys.stderr)
+    if args.stats and "bytes_per_token" in stats:  # the achieved bandwidth's share of the machine's
+        from ..bench.common import measure_read_bandwidth
+
+        stats.update(decode_bandwidth(stats["bytes_per_token"], stats["tpot_s"], measure_read_bandwidth(model.device)))
     if args.stats or interrupted:
         print_stats(stats)
     return 130 if interrupted else 0

@@ -20,11 +20,14 @@ def dense_attention(q, k, v, q_pos=None, k_pos=None, window: int | None = None, 
     i when k_pos[j] <= q_pos[i] (and q_pos[i] - k_pos[j] < window). With no positions given, the
     last T keys are the queries themselves (plain causal prefill), which takes SDPA's fused path.
     """
-    n_groups = q.shape[1] // k.shape[1]
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    k, v = expand_kv(k, n_groups), expand_kv(v, n_groups)
+    # GQA without copies: SDPA maps query head h to KV head h // (Hq // Hkv) itself
+    gqa = q.shape[1] != k.shape[1]
     if q_pos is None and window is None and q.shape[2] == k.shape[2]:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    if q_pos is None and window is None and q.shape[2] == 1:
+        # one query after all the keys (a decode step): it sees every key, no mask to build
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
     if q_pos is None:
         L, T = k.shape[2], q.shape[2]
         k_pos = torch.arange(L, device=q.device)[None]
@@ -32,4 +35,4 @@ def dense_attention(q, k, v, q_pos=None, k_pos=None, window: int | None = None, 
     visible = k_pos[:, None, :] <= q_pos[:, :, None]  # (B, T, L)
     if window is not None:
         visible &= (q_pos[:, :, None] - k_pos[:, None, :]) < window
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=scale, enable_gqa=gqa)

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from ..config import ModelConfig
 from .decoder import DecoderLM
-from .layers import GatedMLP, RMSNorm, attend, merge_heads, split_heads
+from .layers import GatedMLP, RMSNorm, StackedLinear, attend, stacked_in, merge_heads, split_heads
 
 
 class LlamaAttention(nn.Module):
@@ -18,16 +18,18 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         C, D = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(C, cfg.n_heads * D, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(C, cfg.n_kv_heads * D, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(C, cfg.n_kv_heads * D, bias=cfg.attention_bias)
+        # q_proj, k_proj, v_proj of the checkpoint, stacked: one matmul computes q, k and v
+        parts = {"q_proj": cfg.n_heads * D, "k_proj": cfg.n_kv_heads * D, "v_proj": cfg.n_kv_heads * D}
+        self.qkv_proj = StackedLinear(C, parts, bias=cfg.attention_bias)
+        stacked_in(self, "qkv_proj")
         self.o_proj = nn.Linear(cfg.n_heads * D, C, bias=cfg.attention_out_bias)
 
     def forward(self, x, positions, rope, layer_kv, decoding):
         # x (B, T, C) -> (B, T, C)
-        q = split_heads(self.q_proj(x), self.cfg.n_heads)  # (B, Hq, T, D)
-        k = split_heads(self.k_proj(x), self.cfg.n_kv_heads)  # (B, Hkv, T, D)
-        v = split_heads(self.v_proj(x), self.cfg.n_kv_heads)  # (B, Hkv, T, D)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # (B, T, Hq * D), (B, T, Hkv * D) x 2
+        q = split_heads(q, self.cfg.n_heads)  # (B, Hq, T, D)
+        k = split_heads(k, self.cfg.n_kv_heads)  # (B, Hkv, T, D)
+        v = split_heads(v, self.cfg.n_kv_heads)  # (B, Hkv, T, D)
         y = attend(q, k, v, positions, rope, layer_kv, self.cfg.sliding_window, decoding)
         return self.o_proj(merge_heads(y))
 

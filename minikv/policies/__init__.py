@@ -8,3 +8,4 @@ from . import streaming  # noqa: F401
 from . import softfreeze  # noqa: F401
 from . import freekv  # noqa: F401
 from . import icecache  # noqa: F401
+from . import synckv  # noqa: F401

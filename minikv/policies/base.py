@@ -128,6 +128,7 @@ class Policy(ABC):
         self.layers: list[LayerKV] = []
         self.steps = 0
         self._peak_device_tokens = 0.0
+        self._decode_device_tokens = 0.0
         self.last_action: StepAction | None = None
 
     # -- binding ---------------------------------------------------------------------------
@@ -141,6 +142,7 @@ class Policy(ABC):
         self.validate(cfg)
         self.steps = 0
         self._peak_device_tokens = 0.0
+        self._decode_device_tokens = 0.0  # sum over decode steps of the mean device tokens per layer
         self.layers = [self.make_layer(i) for i in range(cfg.n_layers)]
         return self
 
@@ -174,8 +176,11 @@ class Policy(ABC):
     # -- per step --------------------------------------------------------------------------
     def end_step(self, logits: torch.Tensor | None = None) -> StepAction | None:
         """Called by the generation loop after every forward (prefill included)."""
+        tokens = self._mean(lambda layer: layer.device_tokens())
+        if self.steps > 0:  # a decode step: what its attention read (counted after the step)
+            self._decode_device_tokens += tokens
         self.steps += 1
-        self._peak_device_tokens = max(self._peak_device_tokens, self._mean(lambda layer: layer.device_tokens()))
+        self._peak_device_tokens = max(self._peak_device_tokens, tokens)
         return None
 
     # -- accounting ------------------------------------------------------------------------
@@ -211,6 +216,10 @@ class Policy(ABC):
             "device_tokens": sum(per_layer_device) / len(self.layers),
             "host_tokens": sum(per_layer_host) / len(self.layers),
             "device_tokens_peak": max(self._peak_device_tokens, sum(per_layer_device) / len(self.layers)),
+            # KV bytes attention read per decode step, mean over the steps (all layers and rows),
+            # with each step's device tokens counted after the step (a policy that prunes after
+            # attention, like streaming, read up to its prune size more)
+            "kv_bytes_read_per_step": rows * self.cfg.n_layers * tb * self._decode_device_tokens / max(self.steps - 1, 1),
             "device_bytes": round(rows * sum(per_layer_device) * tb),
             "host_bytes": round(rows * sum(per_layer_host) * tb),
             "device_bytes_allocated": rows * sum(l.allocated_device_tokens() for l in self.layers) * tb + aux_device,

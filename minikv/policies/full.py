@@ -31,24 +31,40 @@ class FullLayer(LayerKV):
         self.v[:, :, :T] = v
         self.lengths = (positions >= 0).sum(dim=1)
         self.longest = T  # a Python int, so slicing the cache never waits on the device
+        # rows of different lengths (padding) write and read per row; otherwise every row writes
+        # the new token to slot `longest` and reads all slots before it, which plain slicing and
+        # PyTorch's fused attention do with a few ops per layer
+        self.ragged = bool((self.lengths != T).any())
         # right padding sits after every real token, so plain causal attention is exact for them
         return dense_attention(q, k, v, window=self.cfg.sliding_window)
 
     def decode(self, q, k, v, positions):
         # q (B, Hq, 1, D); k, v (B, Hkv, 1, D); positions (B, 1)
-        rows = torch.arange(k.shape[0], device=k.device)
-        self.k[rows, :, self.lengths] = k[:, :, 0]
-        self.v[rows, :, self.lengths] = v[:, :, 0]
-        self.lengths = self.lengths + 1
-        # Mistral's sliding window: the kernel reads only the last `window` slots of each row
+        if self.ragged:
+            rows = torch.arange(k.shape[0], device=k.device)
+            self.k[rows, :, self.lengths] = k[:, :, 0]
+            self.v[rows, :, self.lengths] = v[:, :, 0]
+            self.lengths = self.lengths + 1
+        else:
+            self.k[:, :, self.longest : self.longest + 1] = k
+            self.v[:, :, self.longest : self.longest + 1] = v
         self.longest += 1
         # read only up to the longest row: the slots past it hold nothing yet
         k_valid, v_valid = self.k[:, :, : self.longest], self.v[:, :, : self.longest]
-        out = decode_attention(q[:, :, 0], k_valid, v_valid, self.lengths, window=self.cfg.sliding_window,
-                               backend=self.policy.backend)
+        window = self.cfg.sliding_window
+        if not self.ragged and window is None and self.policy.backend == "eager":
+            # every row reads all of k_valid: SDPA's fused kernel (the decode_attention reference
+            # computes the same over ragged rows and windows, readably but with ~15 ops)
+            return dense_attention(q, k_valid, v_valid)
+        if not self.ragged:
+            self.lengths.fill_(self.longest)
+        # Mistral's sliding window: the kernel reads only the last `window` slots of each row
+        out = decode_attention(q[:, :, 0], k_valid, v_valid, self.lengths, window=window, backend=self.policy.backend)
         return out[:, :, None]
 
     def device_tokens(self) -> int:
+        if not self.ragged:
+            return self.longest
         return float(self.lengths.float().mean()) if len(self.lengths) else 0
 
     def allocated_device_tokens(self) -> int:

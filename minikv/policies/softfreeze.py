@@ -26,9 +26,11 @@ Data layout, one sequence (max_batch = 1), per layer:
                                 order-free); cap grows by doubling. k, v are its (1, Hkv, cap, D)
                                 views. One buffer, so every move of K and V is one op, not two.
     slot_tok  (cap,)            device: the token index (= position) held by each active slot
+    slot_count (cap,)           device: c_j of the token in each active slot (slot_tok and
+                                slot_count are the two rows of one (2, cap) tensor, `slots`, so
+                                that moving a slot's bookkeeping is one op)
     kv_host   (2, Hkv, max_len, D)  host: frozen tokens, addressed by token index (views k_host,
                                 v_host (Hkv, max_len, D))
-    slot_count (cap,)           device: c_j of the token in each active slot
     count, thaw_at, frozen_at (max_len,)  device: per-token state of frozen tokens
 Per step and layer, when nothing freezes or thaws, the schedule is a handful of vector ops and
 one nonzero(); a restore check runs only from the earliest thaw step on (next_thaw).
@@ -113,7 +115,7 @@ class SoftFreezeLayer(LayerKV):
         self.n_frozen = 0
         self.next_thaw = NOT_FROZEN  # earliest thaw_at of a frozen token: no restore check before it
         self.freezes = self.thaws = 0  # tokens moved by Algorithm 1 (recovery counted by the policy)
-        self.kv = self.slot_tok = self.slot_count = None
+        self.kv = self.slots = self.slot_tok = self.slot_count = None
         self.kv_host = torch.empty((2, self.Hkv, N, self.D), dtype=policy.dtype, pin_memory=policy.tiers.pin)
         # c_j lives beside the active slot (slot_count), so the per-step update is one add; a
         # frozen token's count waits in count by token index and comes back with it
@@ -199,13 +201,13 @@ class SoftFreezeLayer(LayerKV):
             c = self._detect(self.slot_tok[slots], now)  # line 4 within the last W steps
             slots, c = slots[c >= p.c_min], c[c >= p.c_min]
         if len(slots):
-            tok = self.slot_tok[slots]  # (f,)
+            tok, counts = self.slots[:, slots]  # (f,) token indices and their c_j
             d = p.duration[c]  # line 5, Eq. 3 (tabulated)
             # a token frozen now thaws at the end of step now + d: lines 10-15 skip it this step
             self.thaw_at[tok] = now + d
             self.frozen_at[tok] = now
             if p.history is None:
-                self.count[tok] = self.slot_count[slots]  # (with W, count is the ring pointer)
+                self.count[tok] = counts  # (with W, count is the ring pointer)
             self.next_thaw = min(self.next_thaw, now + int(d.min()))
             self.freezes += len(tok)
             self._freeze(slots, tok)  # line 7
@@ -232,8 +234,7 @@ class SoftFreezeLayer(LayerKV):
         holes = slots[slots < m]  # removed slots inside the new length...
         fill = keep[m:].nonzero()[:, 0] + m  # ...and as many kept slots past it
         self.kv[:, :, holes] = self.kv[:, :, fill]
-        self.slot_tok[holes] = self.slot_tok[fill]
-        self.slot_count[holes] = self.slot_count[fill]
+        self.slots[:, holes] = self.slots[:, fill]
         self.n_act = m
 
     def _freeze(self, slots: torch.Tensor, tok: torch.Tensor) -> None:
@@ -266,18 +267,20 @@ class SoftFreezeLayer(LayerKV):
             return
         cap = min(self.policy.max_len, max(n, 2 * self.cap))
         kv = torch.empty((2, self.Hkv, cap, self.D), dtype=self.policy.dtype, device=self.policy.tiers.device)
-        slot_tok, slot_count = (torch.empty(cap, dtype=torch.int64, device=kv.device) for _ in range(2))
+        slots = torch.empty((2, cap), dtype=torch.int64, device=kv.device)
         if self.cap:
             a = self.n_act
             kv[:, :, :a] = self.kv[:, :, :a]
-            slot_tok[:a], slot_count[:a] = self.slot_tok[:a], self.slot_count[:a]
-        self.kv, self.slot_tok, self.slot_count, self.cap = kv, slot_tok, slot_count, cap
+            slots[:, :a] = self.slots[:, :a]
+        self.kv, self.slots, self.cap = kv, slots, cap
+        self.slot_tok, self.slot_count = slots  # the rows, as views
 
     # views of the two buffers: (1, Hkv, cap, D) as attention takes them, (Hkv, max_len, D) on the host
     k = property(lambda self: self.kv[0:1])
     v = property(lambda self: self.kv[1:2])
     k_host = property(lambda self: self.kv_host[0])
     v_host = property(lambda self: self.kv_host[1])
+
 
     def _lengths(self) -> torch.Tensor:
         return self.lengths.fill_(self.n_act)

@@ -73,9 +73,11 @@ def test_include_merges_rows_into_tables_and_json(tmp_path):
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
-    assert main(["compare", "--from", str(tmp_path / "missing.json")]) == 2
-    assert main(["compare", "--tasks", "qa_1"]) == 2
-    assert main(["compare", "--policy", "nope"]) == 2
+    from minikv.cli import run_command  # what `python -m minikv.bench` runs main through
+
+    assert run_command(main, ["compare", "--from", str(tmp_path / "missing.json")]) == 2
+    assert run_command(main, ["compare", "--tasks", "qa_1"]) == 2
+    assert run_command(main, ["compare", "--policy", "nope"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all(line.startswith("error: ") for line in err)
 

@@ -1,9 +1,11 @@
-"""speed benchmark: policies take turns run by run, medians per policy, the `vs first` ratio and
-the peak device tokens each policy reports, on SmolLM2 with short prompts."""
+"""speed benchmark: policies take turns run by run, medians per policy, the `TPOT x full` ratio,
+the achieved bandwidth and the peak device tokens each policy reports, on SmolLM2 with short
+prompts; the context-length figure."""
 import argparse
 import json
 
 import pytest
+import torch
 
 from minikv.bench import speed as bench
 
@@ -19,22 +21,51 @@ def test_policies_alternate_and_rows_report_each_policy(smollm2, tmp_path, monke
         return real_generate(*a, policy=policy, **kw)
 
     monkeypatch.setattr(bench, "generate", recording_generate)
-    out = tmp_path / "speed.json"
+    out, png = tmp_path / "speed.json", tmp_path / "speed.png"
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     window = "streaming:sink=4,window=12,R=1,slack=0,max_drop=0"
     args = parser.parse_args(["--prompt-lengths", "24", "--new-tokens", "6", "--repeats", "2", "--warmup", "1",
-                              "--policy", "full", "--policy", window, "--json", str(out)])
+                              "--policy", window, "--policy", "full", "--json", str(out), "--png", str(png)])
     assert bench.run(args) == 0
-    assert order == ["full", window] * 3  # one warm-up round, two timed rounds, policies in turn
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["policy"] for r in rows] == ["full", window]
-    full, stream = rows
-    assert full["vs_first"] == 1.0
-    assert stream["vs_first"] == pytest.approx(full["tpot_s"] / stream["tpot_s"])
+    assert order == [window, "full"] * 3  # one warm-up round, two timed rounds, policies in turn
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [r["policy"] for r in rows] == [window, "full"]
+    stream, full = rows
+    # ratios are this / full, whatever the order of the policies
+    assert result["baseline"] == "full" and full["tpot_vs_base"] == 1.0
+    assert stream["tpot_vs_base"] == pytest.approx(stream["tpot_s"] / full["tpot_s"])
     assert full["device_tokens_peak"] == 24 + 6 - 1  # the last token is sampled, never cached
     assert stream["device_tokens_peak"] <= 16
     assert full["overhead_share"] is None and all(r["tpot_s"] > 0 and r["ttft_s"] > 0 for r in rows)
+    # bandwidth: weights (the tied embedding once, as the output head) plus the KV attention read
+    model_bytes = sum(p.numel() * 4 for p in model.parameters())
+    kv_token = 2 * model.cfg.n_layers * model.cfg.n_kv_heads * model.cfg.head_dim * 4  # all layers
+    # decode steps 1..5 read 25..29 tokens of KV (mean 27); streaming never more than 16
+    assert model.cfg.tie_word_embeddings  # SmolLM2: the embedding is read whole, as the output head
+    assert full["bytes_per_token"] == pytest.approx(model_bytes + 27 * kv_token)
+    assert model_bytes < stream["bytes_per_token"] <= model_bytes + 16 * kv_token
+    assert result["read_bandwidth_gb_s"] > 0
+    for r in rows:
+        assert r["bandwidth_gb_s"] == pytest.approx(r["bytes_per_token"] / r["tpot_s"] / 1e9)
+        assert r["bandwidth_share"] == pytest.approx(r["bandwidth_gb_s"] / result["read_bandwidth_gb_s"])
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("name", ["pythia_partial", "llama_gqa3"])
+def test_weight_bytes_count_an_untied_embedding_as_one_row(reference_dir, name):
+    """A decode step reads one row of an untied input embedding, all of a tied one (the head)."""
+    from minikv.generate import weight_bytes_per_step
+    from minikv.loading import load_model
+
+    model = load_model(reference_dir / "models" / name, device="cpu", dtype=torch.bfloat16)
+    every = sum(p.numel() * 2 for p in model.parameters())
+    embedding = model.embed.weight
+    if model.cfg.tie_word_embeddings:
+        assert weight_bytes_per_step(model) == every
+    else:
+        assert weight_bytes_per_step(model) == every - embedding.numel() * 2 + embedding.shape[1] * 2
 
 
 def test_lockstep_decodes_what_generate_decodes(smollm2):
@@ -51,3 +82,4 @@ def test_lockstep_decodes_what_generate_decodes(smollm2):
     for spec in specs:
         alone = generate(model, tok, ids, policy=spec, max_new_tokens=4, stop_at_eos=False)
         assert found[spec]["token_ids"] == alone.token_ids and found[spec]["tpot_s"] > 0
+        assert found[spec]["bytes_per_token"] > 0 and found[spec]["bandwidth_gb_s"] > 0

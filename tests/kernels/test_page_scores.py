@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minikv.kernels._testing import assert_close
@@ -14,10 +14,10 @@ from minikv.kernels.page_scores import page_scores
 
 
 @st.composite
-def score_cases(draw, integer=False):
+def score_cases(draw, integer=False, realistic=True):
     B, Hkv, G = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 4))
-    # small odd page counts, and the ~250 pages of an 8k context in 32-token pages
-    N = draw(st.one_of(st.integers(1, 40), st.integers(200, 260)))
+    # small odd page counts, and (realistic) the ~250 pages of an 8k context in 32-token pages
+    N = draw(st.one_of(st.integers(1, 40), st.integers(200, 260)) if realistic else st.integers(1, 40))
     n_valid = draw(st.lists(st.integers(0, N), min_size=B, max_size=B))
     # odd head dims, and the real one (SmolLM2, Llama: 64)
     return dict(B=B, Hkv=Hkv, G=G, N=N, D=draw(st.sampled_from([4, 8, 12, 64])), n_valid=n_valid,
@@ -91,6 +91,7 @@ def test_reference_matches_loop_transcription(case):
     assert_close(picked[index >= 0].float(), expected[exp_index >= 0].float(), torch.float32, name="picked scores")
 
 
+@settings(max_examples=12)
 @given(case=score_cases(integer=True))
 def test_group_consistent_selection_kernel_equals_reference_ties_included(case):
     """Integer inputs: every score is exact in both, so the indices must match exactly, and the
@@ -105,6 +106,7 @@ def test_group_consistent_selection_kernel_equals_reference_ties_included(case):
     assert_close(scores[finite], ref_scores[finite], torch.float32, name="scores")
 
 
+@settings(max_examples=12)
 @given(case=score_cases())
 def test_group_consistent_selection_kernel_equals_reference_float(case):
     q, lo, hi, n_valid = make_inputs(case)
@@ -119,7 +121,7 @@ def test_group_consistent_selection_kernel_equals_reference_float(case):
 
 
 @pytest.mark.parametrize("backend", ["eager", "triton"])
-@given(case=score_cases(integer=True), data=st.data())
+@given(case=score_cases(integer=True, realistic=False), data=st.data())
 def test_group_consistent_selection_invariant_to_head_order_within_group(backend, case, data):
     q, lo, hi, n_valid = make_inputs(case)
     B, Hkv, G = case["B"], case["Hkv"], case["G"]

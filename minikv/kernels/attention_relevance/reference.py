@@ -32,11 +32,11 @@ def attention_relevance(q, k, v, lengths, scale=None):
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
 
     qg = q.float().reshape(B, Hkv, group, D)  # (B, Hkv, G, D): the query heads sharing a KV head
-    raw = torch.einsum("bhgd,bhld->bhgl", qg, k.float())  # (B, Hkv, G, L): q_h . k_j, unscaled
+    raw = qg @ k.float().transpose(-1, -2)  # (B, Hkv, G, L): q_h . k_j, unscaled
 
     s = raw.abs().sum(dim=(1, 2)) / Hq  # (B, L) Eq. 2: mean over the Hq query heads of |q_h . k_j|
     scores = raw * scale
-    vf = v.float()
+    vf = v.float()  # (B, Hkv, L, D)
     if bool((lengths != L).any()):
         visible = torch.arange(L, device=q.device) < lengths.to(q.device)[:, None]  # (B, L)
         # where() rather than a product keeps garbage slots (maybe NaN) out: 0 * NaN is NaN
@@ -45,5 +45,5 @@ def attention_relevance(q, k, v, lengths, scale=None):
         vf = torch.where(visible[:, None, :, None], vf, 0.0)
     # else every row reads all L slots (the caller sliced the buffer to the active tokens): no mask
     p = torch.softmax(scores, dim=-1)  # (B, Hkv, G, L), exactly 0 on masked slots
-    out = torch.einsum("bhgl,bhld->bhgd", p, vf).reshape(B, Hq, D).to(q.dtype)
+    out = (p @ vf).reshape(B, Hq, D).to(q.dtype)  # (B, Hkv, G, D) -> (B, Hq, D)
     return out, s

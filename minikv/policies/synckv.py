@@ -1,0 +1,318 @@
+"""synckv: representative heads choose, every m steps, the tokens their cluster reads (SyncKV).
+
+Paper: "SyncKV: A Syncopated Scheduling Approach to KV Cache Compression for Efficient
+Long-Context LLM Inference", anonymous authors, ICLR 2026 submission (withdrawn),
+https://openreview.net/forum?id=542c8KxeQt (no arXiv version, no public code).
+
+The idea: the KV heads of a layer attend to much the same tokens (intra-layer similarity), and
+the set they attend to drifts slowly (temporal locality). So an offline clustering (Sec. 4.1;
+synckv_clusters.py, `python -m minikv.bench cluster-heads`) groups each layer's KV heads into N_r
+clusters and names one representative head (R-head) per cluster. Then, per layer:
+
+  prefill (Sec. 4.2, Algorithm 1 lines 9-17): dense attention over the prompt. R-heads keep their
+    full KV on the device; the other heads' (NR-heads') KV is offloaded whole to the host tier
+    (the "context bank"). I_0 = the top k of the R-head's attention from the last prompt token
+    (Eq. 3), split into the static set (the best ceil(rho k), on the device for good) and the
+    initial dynamic set (the other floor((1 - rho) k) = k_dyn; Eq. 4).
+  decode: R-heads attend over their full KV (line 22); NR-heads attend over static + dynamic +
+    the recent window, through kernels/gathered_attention (line 24). Every m-th step is an
+    *anticipation* step (Eqs. 5-7, lines 26-31): after attention, the R-head's attention of this
+    step (max-pooled over its GQA group, App. B.1; kernels/attention_topk) picks the top k_dyn
+    tokens among those not static and not in the window, and the cluster's KV of those tokens
+    comes from the host into the dynamic slots, for the following steps. The other steps are
+    *suspension* steps (Eq. 8, lines 33-35): no selection, no transfer.
+
+Decisions (DESIGN.md "synckv"): the clustering unit is the KV head; budget = the most tokens an
+NR-head reads on the device = k + window, k = static + dynamic; tokens generated while decoding
+stay on the device for every head until they leave a recent window of `window` (32) tokens, then
+join the bank, where a later anticipation can fetch them back (until then an NR-head does not
+see them: up to m - 1 steps). Mem% counts R-heads at full length. Where the paper is silent:
+a cluster's NR-heads read their own cluster's sets (Sec. 4.3, "uniformly loaded for their
+cluster"); the dynamic set is chosen among tokens not already on the device (static, window), so
+no token is read twice; a fetch copies only tokens the dynamic slots do not already hold.
+
+Ablations of Table 3: `offload=off` is "w/o initialization" (nothing leaves the device: NR-heads
+read the same sets from their full device KV), `anticipation=off` "w/o anticipation" (the dynamic
+set stays I_{D,0}), `m=1` "w/o suspension". On CUDA the fetch runs on a side stream (host gather
+into a pinned staging buffer, one copy, a scatter into the slots) and the next step's NR attention
+waits on its event; on the CPU it runs in order.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..kernels.attention_topk import attention_topk
+from ..kernels.decode_attention import decode_attention
+from ..kernels.gathered_attention import gathered_attention
+from .base import LayerKV, Policy, dense_attention, register
+from .synckv_bank import ContextBank
+from .synckv_clusters import find_clustering
+
+
+class SyncKVLayer(LayerKV):
+    def __init__(self, policy: "SyncKV", index: int):
+        super().__init__(policy, index)
+        cfg, dev, D = policy.cfg, policy.tiers.device, policy.cfg.head_dim
+        spec = policy.clustering[index]
+        self.clusters, self.r_heads = spec["clusters"], spec["r_heads"]  # cluster c: members, R-head
+        self.nr_heads = [h for c in self.clusters for h in c if h not in self.r_heads]
+        self.nr_cluster = [next(c for c, members in enumerate(self.clusters) if h in members) for h in self.nr_heads]
+        G = cfg.n_groups
+        self.rq = torch.tensor([h * G + g for h in self.r_heads for g in range(G)], device=dev)  # their query heads
+        self.nq = torch.tensor([h * G + g for h in self.nr_heads for g in range(G)], device=dev)
+        Hr, Hn, n = len(self.r_heads), len(self.nr_heads), policy.max_len
+        self.ks, self.kd, self.W = policy.k_static, policy.k_dyn, policy.window
+        self.kr = torch.empty(1, Hr, n, D, dtype=policy.dtype, device=dev)  # R-heads: full KV, device
+        self.vr = torch.empty_like(self.kr)
+        self.keep = torch.ones(1, Hr, n, dtype=torch.bool, device=dev)  # False: static, never re-selected
+        self.offload = policy.offload and Hn > 0  # False: "w/o initialization", slot = token index
+        # NR-heads' device slots (with offloading): [0, ks) static, [ks, ks + kd) dynamic, window ring
+        self.bank = ContextBank(n_heads=Hn, max_len=n, slots=policy.budget, head_dim=D, dtype=policy.dtype,
+                                tiers=policy.tiers, offload=self.offload, stage_rows=Hn * self.kd)
+        self.static = [[] for _ in self.clusters]  # per cluster: token indices, slot order
+        self.dynamic = [[-1] * self.kd for _ in self.clusters]  # per cluster: token held by each dynamic slot
+        self.read_dynamic = self.dynamic
+        self.T = self.length = self.step = 0
+        self.anticipations = self.fetched = 0  # tokens copied host -> device, per NR-head
+
+    # -- where tokens are ----------------------------------------------------------------------
+    def window_tokens(self) -> range:
+        """Generated tokens still in the recent window (on the device for every head)."""
+        return range(max(self.T, self.length - self.W), self.length)
+
+    def read_tokens(self, c: int, dynamic=None) -> list[int]:
+        """Token indices an NR-head of cluster c reads: static, dynamic, window (disjoint)."""
+        dynamic = (dynamic or self.dynamic)[c]
+        return self.static[c] + [t for t in dynamic if t >= 0] + list(self.window_tokens())
+
+    def slot_of(self, t: int, c: int) -> int:
+        if not self.offload:
+            return t
+        if t >= self.T and t >= self.length - self.W:  # in the window ring
+            return self.ks + self.kd + (t - self.T) % self.W
+        if t in self.static[c]:
+            return self.static[c].index(t)
+        return self.ks + self.dynamic[c].index(t)
+
+    def nr_index(self) -> torch.Tensor:
+        """(1, Hn, N) slots each NR-head reads, -1 padded."""
+        rows = []
+        for c in self.nr_cluster:
+            if self.offload:  # slot numbers without a lookup per token
+                dyn = [self.ks + j for j, t in enumerate(self.dynamic[c]) if t >= 0]
+                win = [self.ks + self.kd + j for j in range(len(self.window_tokens()))]
+                rows.append(list(range(len(self.static[c]))) + dyn + win)
+            else:
+                rows.append(self.read_tokens(c))
+        n = max(len(r) for r in rows)
+        return torch.tensor([[r + [-1] * (n - len(r)) for r in rows]], device=self.kr.device)
+
+    # -- the contract --------------------------------------------------------------------------
+    def prefill(self, q, k, v, positions):
+        # q (1, Hq, T, D); k, v (1, Hkv, T, D)
+        out = dense_attention(q, k, v)
+        T = self.T = self.length = k.shape[2]
+        self.kr[:, :, :T] = k[:, self.r_heads]
+        self.vr[:, :, :T] = v[:, self.r_heads]
+        if self.nr_heads:
+            k_nr, v_nr = k[0, self.nr_heads], v[0, self.nr_heads]  # (Hn, T, D)
+            self.bank.write_prompt(k_nr, v_nr)  # Algorithm 1 line 12: the NR-heads' KV goes whole
+            self.initialize(q[:, :, -1], k_nr, v_nr)
+        return out
+
+    def initialize(self, q_last, k_nr, v_nr):
+        """Eqs. 3-4: I_0 from the R-head's attention of the last prompt token, split by rho."""
+        # q_last (1, Hq, D); k_nr, v_nr (Hn, T, D)
+        T, backend = self.T, self.policy.backend
+        q_r = q_last[:, self.rq]
+        _, lse = decode_attention(q_r, self.kr[:, :, :T], self.vr[:, :, :T], torch.tensor([T], device=q_r.device),
+                                  return_lse=True, backend=backend)
+        _, top = attention_topk(q_r, self.kr[:, :, :T], lse, torch.tensor([T], device=q_r.device), None,
+                                self.ks + self.kd, backend=backend)
+        for c, row in enumerate(top[0].tolist()):
+            chosen = [t for t in row if t >= 0]  # best first
+            self.static[c], dyn = chosen[:self.ks], chosen[self.ks:]
+            self.dynamic[c] = dyn + [-1] * (self.kd - len(dyn))
+            self.keep[0, c, self.static[c]] = False
+        if self.offload:  # the NR-heads keep I_0 on the device (Sec. 4.2): copied before it leaves
+            for j, c in enumerate(self.nr_cluster):
+                tokens = self.static[c] + [t for t in self.dynamic[c] if t >= 0]
+                self.bank.keep_on_device(j, [self.slot_of(t, c) for t in tokens], k_nr[j, tokens], v_nr[j, tokens])
+
+    def decode(self, q, k, v, positions):
+        # q (1, Hq, 1, D); k, v (1, Hkv, 1, D)
+        self.append(k, v)
+        L, backend = self.length, self.policy.backend
+        q1 = q[:, :, 0]  # (1, Hq, D)
+        out = torch.empty_like(q1)
+        q_r = q1[:, self.rq]
+        # line 22: R-heads over their full KV; the lse is their attention's normaliser (Eq. 5)
+        out_r, lse_r = decode_attention(q_r, self.kr[:, :, :L], self.vr[:, :, :L], torch.tensor([L], device=q1.device),
+                                        return_lse=True, backend=backend)
+        out[:, self.rq] = out_r
+        if self.nr_heads:
+            self.bank.wait()  # the last fetch has landed
+            # line 24: NR-heads over static + dynamic + window, each head its own slots
+            out[:, self.nq] = gathered_attention(q1[:, self.nq], self.bank.store_k, self.bank.store_v, self.nr_index(),
+                                                 backend=backend)
+        self.step += 1
+        self.read_dynamic = list(self.dynamic)  # what this step read (anticipate replaces the rows)
+        if self.policy.anticipation and self.nr_heads and self.step % self.policy.m == 0:
+            self.anticipate(q_r, lse_r)  # lines 26-31, for the steps that follow
+        return out[:, :, None]
+
+    def append(self, k, v):
+        """A new token: R-heads' full KV; NR-heads' window ring, whose oldest token (when the
+        ring is full) first goes to the bank."""
+        p = self.length
+        if p >= self.kr.shape[2]:
+            raise ValueError(f"the sequence outgrew max_len ({self.kr.shape[2]} tokens)")
+        self.kr[0, :, p] = k[0, self.r_heads, 0]
+        self.vr[0, :, p] = v[0, self.r_heads, 0]
+        if self.nr_heads:
+            k_nr, v_nr = k[0, self.nr_heads, 0], v[0, self.nr_heads, 0]  # (Hn, D)
+            if self.offload:  # the window ring; the token leaving the window joins the bank
+                old = p - self.W
+                self.bank.push(self.ks + self.kd + (p - self.T) % self.W, k_nr, v_nr, old if old >= self.T else None)
+            else:
+                self.bank.push(p, k_nr, v_nr)
+        self.length = p + 1
+
+    def anticipate(self, q_r, lse_r):
+        """Eqs. 5-7: each R-head's top k_dyn among the bank's tokens not static, then fetch."""
+        # q_r (1, Hr*G, D); lse_r (1, Hr*G): this step's R-head queries and their normalisers
+        n = self.length - len(self.window_tokens())  # tokens in the bank: candidates
+        self.anticipations += 1
+        if self.kd == 0:  # rho = 1: no dynamic set to choose
+            return
+        _, top = attention_topk(q_r, self.kr[:, :, :n], lse_r, torch.tensor([n], device=q_r.device),
+                                self.keep[:, :, :n], self.kd, backend=self.policy.backend)
+        moves = []  # (cluster, dynamic slot, token)
+        for c, row in enumerate(top[0].tolist()):
+            if len(self.clusters[c]) == 1:
+                continue  # a cluster of its R-head alone has nobody to serve
+            want = [t for t in row if t >= 0]
+            held, keep = list(self.dynamic[c]), set(want)
+            self.dynamic[c] = held
+            missing = [t for t in want if t not in held]
+            free = [j for j, t in enumerate(held) if t not in keep]
+            for j in free:
+                held[j] = -1
+            for t, j in zip(missing, free):
+                held[j] = t
+                moves.append((c, j, t))
+        if self.offload and moves:
+            self.fetch(moves)
+
+    def fetch(self, moves):
+        """Eq. 7: every NR-head of a moved token's cluster gets the bank's row in the chosen slot."""
+        rows = [(j, t, self.ks + slot) for j, c in enumerate(self.nr_cluster) for cc, slot, t in moves if cc == c]
+        self.fetched += len(rows)
+        self.bank.fetch(rows)
+
+    # -- what was read, and where it lives --------------------------------------------------------
+    def attended_indices(self) -> torch.Tensor | None:
+        """(Hkv, n) int64 token indices the last decode step read per KV head, -1 padded; None
+        when every head read every token."""
+        L = self.length
+        rows = {h: list(range(L)) for h in self.r_heads}
+        rows.update({h: self.read_tokens(c, self.read_dynamic) for h, c in zip(self.nr_heads, self.nr_cluster)})
+        if all(len(r) == L for r in rows.values()):
+            return None
+        n = max(len(r) for r in rows.values())
+        return torch.tensor([rows[h] + [-1] * (n - len(rows[h])) for h in range(self.cfg.n_kv_heads)])
+
+    def nr_read(self) -> int:
+        """Tokens the NR-heads read, summed (counted, not listed: end_step asks every step)."""
+        n_window = len(self.window_tokens())
+        per_cluster = [len(s) + sum(t >= 0 for t in d) + n_window for s, d in zip(self.static, self.dynamic)]
+        return sum(per_cluster[c] for c in self.nr_cluster)
+
+    def device_tokens(self) -> float:
+        return (len(self.r_heads) * self.length + self.nr_read()) / self.cfg.n_kv_heads
+
+    def resident_tokens(self) -> float:
+        """KV held on the device per KV head (for Mem%): w/o initialization, all of it."""
+        return self.device_tokens() if self.offload or not self.nr_heads else float(self.length)
+
+    def host_tokens(self) -> float:
+        n = self.length - len(self.window_tokens()) if self.offload else 0
+        return len(self.nr_heads) * n / self.cfg.n_kv_heads
+
+    def allocated_device_tokens(self) -> float:
+        Hr, Hn, Hkv = len(self.r_heads), len(self.nr_heads), self.cfg.n_kv_heads
+        return (Hr * self.kr.shape[2] + Hn * self.bank.store_k.shape[2]) / Hkv
+
+    def allocated_host_tokens(self) -> float:
+        return len(self.nr_heads) * self.kr.shape[2] / self.cfg.n_kv_heads if self.offload else 0
+
+    def aux_bytes(self) -> tuple[int, int]:
+        dev, host = self.bank.staging_bytes()
+        return dev + self.keep.numel() * self.keep.element_size(), host
+
+
+@register
+class SyncKV(Policy):
+    """Representative heads anticipate every m steps; their clusters read only what they chose."""
+
+    name = "synckv"
+    max_batch = 1
+
+    def __init__(self, *, budget: int = 256, window: int = 32, rho: float = 0.5, m: int = 5, n_r: int = 1,
+                 clusters: str | None = None, offload: bool = True, anticipation: bool = True,
+                 backend: str = "eager"):
+        super().__init__(backend=backend)
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise ValueError(f"window must be an int >= 1 (the new token is always read), got {window!r}")
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget <= window:
+            raise ValueError(f"budget must be an int > window={window} (static + dynamic + window), got {budget!r}")
+        if not isinstance(rho, (int, float)) or isinstance(rho, bool) or not 0.0 <= rho <= 1.0:
+            raise ValueError(f"rho (the static ratio) must be in [0, 1], got {rho!r}")
+        if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+            raise ValueError(f"m (the synchronization stride) must be an int >= 1, got {m!r}")
+        if not isinstance(n_r, int) or isinstance(n_r, bool) or n_r < 1:
+            raise ValueError(f"n_r (clusters per layer) must be an int >= 1, got {n_r!r}")
+        for name, value in (("offload", offload), ("anticipation", anticipation)):
+            if value not in (True, False):
+                raise ValueError(f"{name} must be true/false/on/off/yes/no/1/0, got {value!r}")
+        if clusters is not None and not isinstance(clusters, str):
+            raise ValueError(f"clusters must be a path to a clustering file, got {clusters!r}")
+        self.budget, self.window, self.rho, self.m, self.n_r = budget, window, float(rho), m, n_r
+        k = budget - window
+        self.k_dyn = math.floor((1.0 - self.rho) * k + 1e-9)  # Eq. 6: k_dyn = floor((1 - rho) k)
+        self.k_static = k - self.k_dyn
+        self.clusters, self.offload, self.anticipation = clusters, bool(offload), bool(anticipation)
+
+    def validate(self, cfg):
+        if cfg.sliding_window is not None and cfg.sliding_window < self.max_len:
+            raise ValueError("synckv does not combine with a sliding-window model (Mistral) shorter than max_len")
+        if self.n_r > cfg.n_kv_heads:
+            raise ValueError(f"n_r must be <= the model's {cfg.n_kv_heads} KV heads, got {self.n_r}")
+        self.clustering, self.clustering_file = find_clustering(cfg, self.n_r, self.clusters)
+        for i, layer in enumerate(self.clustering):
+            heads = sorted(h for c in layer["clusters"] for h in c)
+            ok = heads == list(range(cfg.n_kv_heads)) and len(layer["r_heads"]) == len(layer["clusters"])
+            if not ok or any(r not in c for r, c in zip(layer["r_heads"], layer["clusters"])):
+                raise ValueError(f"{self.clustering_file}: layer {i}'s clusters do not partition the KV heads")
+
+    def make_layer(self, index: int) -> SyncKVLayer:
+        return SyncKVLayer(self, index)
+
+    def stats(self) -> dict:
+        s = super().stats()
+        layers = self.layers
+        n_ant = sum(layer.anticipations for layer in layers)
+        n_nr = sum(len(layer.nr_heads) for layer in layers) / max(len(layers), 1)
+        fetched = sum(layer.fetched for layer in layers)
+        full = sum(layer.length for layer in layers)
+        s.update({
+            "anticipation_steps": max((layer.anticipations for layer in layers), default=0),
+            # tokens copied host -> device per NR-head per layer, per anticipation
+            "tokens_fetched": fetched,
+            "tokens_fetched_per_anticipation": fetched / n_ant / n_nr if n_ant and n_nr else 0.0,
+            "mem_percent": 100.0 * sum(layer.resident_tokens() for layer in layers) / full if full else 0.0,
+            "clustering_file": str(self.clustering_file),
+        })
+        return s

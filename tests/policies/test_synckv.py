@@ -1,0 +1,249 @@
+"""synckv: against an oracle that recomputes, step by step, what Algorithm 1 says each head reads.
+Anticipation exactly every m-th step (Eqs. 5-7), suspension steps read the sets the last
+anticipation chose and move nothing (Eq. 8), the static set never leaves the device (Eq. 4),
+nothing offloaded is lost, a budget covering the context equals full KV (a tiny random checkpoint
+and SmolLM2), the ablation switches, stats, attended_indices, parameter errors."""
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minikv.config import ModelConfig
+from minikv.kernels.attention_topk import reference as topk_reference
+from minikv.kernels.decode_attention import reference as attn_reference
+from minikv.models.attention import dense_attention
+from minikv.policies import make
+from minikv.policies.synckv_clusters import FORMAT, config_sha256
+
+TINY = ModelConfig(model_type="llama", vocab_size=64, hidden_size=48, intermediate_size=64, n_layers=2,
+                   n_heads=6, n_kv_heads=3, head_dim=16, max_position_embeddings=4096, rotary_dim=16)
+# layer 0: one cluster (R-head 1); layer 1: {0, 2} led by 2, and head 1 alone (nobody to serve)
+TINY_CLUSTERS = [{"clusters": [[0, 1, 2]], "r_heads": [1]}, {"clusters": [[0, 2], [1]], "r_heads": [2, 1]}]
+
+
+def write_clusters(path, cfg, layers, n_r=1):
+    doc = {"format": FORMAT, "model": {"name": "test", "config_sha256": config_sha256(cfg), "weights_sha256": "-",
+                                       "n_layers": cfg.n_layers, "n_kv_heads": cfg.n_kv_heads},
+           "corpus": {}, "seed": 0, "similarity": [], "clusterings": {str(n_r): layers}}
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_clusters(tmp_path_factory):
+    return write_clusters(tmp_path_factory.mktemp("synckv") / "tiny.json", TINY, TINY_CLUSTERS)
+
+
+def expected_selection(q1, keys, layer, k_top, n_cand, static):
+    """Eqs. 5-6 from scratch: each R-head's attention over all its keys (its lse), max-pooled over
+    its group, top k_top among the first n_cand tokens not in its cluster's static set."""
+    if k_top == 0:  # rho = 1: there is no dynamic set
+        return [[] for _ in layer.r_heads]
+    G = TINY.n_groups
+    rq = [h * G + g for h in layer.r_heads for g in range(G)]
+    kr = keys[:, layer.r_heads]
+    L = kr.shape[2]
+    _, lse = attn_reference.decode_attention(q1[:, rq], kr, kr, torch.tensor([L]), return_lse=True)
+    keep = torch.ones(1, len(layer.r_heads), n_cand, dtype=torch.bool)
+    for c, s in enumerate(static):
+        keep[0, c, [t for t in s if t < n_cand]] = False
+    _, top = topk_reference.attention_topk(q1[:, rq], kr[:, :, :n_cand], lse, torch.tensor([n_cand]), keep, k_top)
+    return [sorted(t for t in row if t >= 0) for row in top[0].tolist()]
+
+
+def oracle_attention(q1, keys, values, reads):
+    """Dense attention where the query heads of KV head m read exactly the tokens reads[m]."""
+    G = TINY.n_groups
+    outs = [dense_attention(q1[:, m * G:(m + 1) * G, None], keys[:, m:m + 1, t], values[:, m:m + 1, t])
+            for m, t in enumerate(torch.tensor(r) for r in reads)]
+    return torch.cat(outs, dim=1)[:, :, 0]
+
+
+@st.composite
+def synckv_cases(draw):
+    window = draw(st.integers(1, 6))
+    return dict(window=window, budget=window + draw(st.integers(1, 14)), rho=draw(st.sampled_from([0.0, 0.3, 0.5, 1.0])),
+                m=draw(st.integers(1, 4)), T=draw(st.integers(1, 30)), steps=draw(st.integers(1, 14)),
+                offload=draw(st.booleans()), anticipation=draw(st.booleans()), seed=draw(st.integers(0, 2**16)))
+
+
+def run_against_oracle(case, clusters, backend="eager"):
+    spec = (f"synckv:budget={case['budget']},window={case['window']},rho={case['rho']},m={case['m']},"
+            f"offload={case['offload']},anticipation={case['anticipation']},clusters={clusters},backend={backend}")
+    policy = make(spec).bind(TINY, device="cpu", dtype=torch.float32, max_len=80)
+    g = torch.Generator().manual_seed(case["seed"])
+    T, W = case["T"], case["window"]
+    keys, values = [None] * TINY.n_layers, [None] * TINY.n_layers
+    static = [None] * TINY.n_layers
+    for step in range(case["steps"] + 1):
+        n = T if step == 0 else 1
+        for i, layer in enumerate(policy.layers):
+            q = torch.randn(1, TINY.n_heads, n, TINY.head_dim, generator=g)
+            k = torch.randn(1, TINY.n_kv_heads, n, TINY.head_dim, generator=g)
+            v = torch.randn(1, TINY.n_kv_heads, n, TINY.head_dim, generator=g)
+            keys[i] = k if step == 0 else torch.cat((keys[i], k), 2)
+            values[i] = v if step == 0 else torch.cat((values[i], v), 2)
+            if step == 0:
+                layer.prefill(q, k, v, None)
+                # Eqs. 3-4: I_0 = top-k of the R-head's attention from the last prompt token
+                chosen = expected_selection(q[:, :, -1], keys[i], layer, policy.k_static + policy.k_dyn, T,
+                                            [[] for _ in layer.clusters])
+                assert [sorted(s + [t for t in d if t >= 0]) for s, d in zip(layer.static, layer.dynamic)] == chosen
+                static[i] = [list(s) for s in layer.static]
+                assert all(len(s) == min(policy.k_static, T) for s in static[i])
+                continue
+            before = (policy.tiers.bytes_to_device, [list(d) for d in layer.dynamic], layer.anticipations)
+            L = keys[i].shape[2]
+            out = layer.decode(q, k, v, None)
+            window = list(range(max(T, L - W), L))
+            # what each KV head read: R-heads everything, NR-heads static + dynamic + window
+            reads = layer.attended_indices()
+            expect_reads = {h: list(range(L)) for h in layer.r_heads}
+            for h, c in zip(layer.nr_heads, layer.nr_cluster):
+                expect_reads[h] = sorted(static[i][c] + [t for t in before[1][c] if t >= 0] + window)
+                assert len(expect_reads[h]) <= case["budget"]  # the budget holds
+            if reads is None:
+                assert all(len(r) == L for r in expect_reads.values())
+            else:
+                got = [sorted(t for t in row if t >= 0) for row in reads.tolist()]
+                assert got == [expect_reads[h] for h in range(TINY.n_kv_heads)]
+            torch.testing.assert_close(out[:, :, 0], oracle_attention(q[:, :, 0], keys[i], values[i],
+                                                                       [expect_reads[h] for h in range(TINY.n_kv_heads)]))
+            assert layer.static == static[i]  # the static set never changes...
+            anticipating = case["anticipation"] and bool(layer.nr_heads) and step % case["m"] == 0
+            assert layer.anticipations == before[2] + anticipating
+            if not anticipating:  # suspension (Eq. 8): nothing selected, nothing moved
+                assert [list(d) for d in layer.dynamic] == before[1]
+                assert policy.tiers.bytes_to_device == before[0]
+            else:  # anticipation (Eqs. 5-7): the R-head's top k_dyn among the bank's tokens
+                n_cand = L - len(window)
+                want = expected_selection(q[:, :, 0], keys[i], layer, policy.k_dyn, n_cand, static[i])
+                for c, members in enumerate(layer.clusters):
+                    if len(members) > 1:
+                        assert sorted(t for t in layer.dynamic[c] if t >= 0) == want[c]
+            check_device_and_host(layer, keys[i], values[i], T, W)
+        policy.end_step()
+    return policy
+
+
+def check_device_and_host(layer, keys, values, T, W):
+    """...and stays on the device bit for bit, as do the dynamic and window slots; the host bank
+    holds every token that left the device (all the prompt, generated tokens past the window)."""
+    L = keys.shape[2]
+    for j, (h, c) in enumerate(zip(layer.nr_heads, layer.nr_cluster)):
+        for t in layer.read_tokens(c):
+            s = layer.slot_of(t, c)
+            assert torch.equal(layer.bank.store_k[0, j, s], keys[0, h, t]) and torch.equal(layer.bank.store_v[0, j, s], values[0, h, t])
+        if layer.offload:
+            banked = max(T, L - W)
+            assert torch.equal(layer.bank.bank_k[j, :banked], keys[0, h, :banked])
+            assert torch.equal(layer.bank.bank_v[j, :banked], values[0, h, :banked])
+    assert torch.equal(layer.kr[0, :, :L], keys[0, layer.r_heads])
+
+
+@settings(max_examples=12)
+@given(case=synckv_cases())
+def test_anticipation_every_m_steps_suspension_reads_the_last_choice_and_moves_nothing(case, tiny_clusters):
+    policy = run_against_oracle(case, tiny_clusters)
+    s = policy.stats()
+    expected = case["steps"] // case["m"] if case["anticipation"] else 0
+    assert s["anticipation_steps"] == expected
+    if not case["offload"]:
+        assert s["bytes_to_host"] == 0 and s["bytes_to_device"] == 0 and s["mem_percent"] == 100.0
+
+
+@settings(max_examples=2)
+@given(case=synckv_cases())
+def test_triton_backend_matches_oracle(case, tiny_clusters):
+    case.update(steps=min(case["steps"], 5), T=min(case["T"], 20))
+    run_against_oracle(case, tiny_clusters, backend="triton")
+
+
+def test_budget_covering_the_context_equals_full_kv_random_checkpoint(reference_dir, tmp_path):
+    """reference/models/llama_gqa3 (9 query heads, 3 KV heads): 40 prompt tokens, 20 decoded
+    (fewer than the window, so no generated token has left it): synckv with k >= 40 equals full KV,
+    through the host tier, with anticipations that fetch nothing new."""
+    from minikv.loading import load_model
+
+    model = load_model(reference_dir / "models" / "llama_gqa3", device="cpu", dtype=torch.float32)
+    cfg = model.cfg
+    clusters = write_clusters(tmp_path / "gqa3.json", cfg, [{"clusters": [[0, 1, 2]], "r_heads": [0]},
+                                                            {"clusters": [[0, 2], [1]], "r_heads": [2, 1]}])
+    ids = torch.randint(0, cfg.vocab_size, (1, 60), generator=torch.Generator().manual_seed(3))
+    logits = {}
+    for spec in ("full", f"synckv:budget=80,window=32,m=3,clusters={clusters}"):
+        policy = make(spec).bind(cfg, device="cpu", dtype=torch.float32, max_len=64)
+        out = [model(ids[:, :40], policy=policy)[:, -1]]
+        for t in range(40, 60):
+            out.append(model(ids[:, t:t + 1], positions=torch.tensor([[t]]), policy=policy)[:, -1])
+        logits[spec.split(":")[0]] = torch.stack(out)
+        if spec != "full":
+            s = policy.stats()
+            assert s["host_tokens"] > 0 and s["anticipation_steps"] == 20 // 3
+    torch.testing.assert_close(logits["synckv"], logits["full"], rtol=1e-5, atol=1e-5)
+
+
+def test_smollm2_full_budget_equals_full_and_small_budget_anticipates(smollm2):
+    """SmolLM2 with the shipped clustering, ~330 prompt tokens, 6 steps: a budget covering the
+    context gives full KV's logits; budget 96 reads at most 96 tokens per NR-head, fetches at every
+    5th step and keeps Mem% = (1 + 2 * read / L) / 3 (one R-head of 3 KV heads at full length)."""
+    model, tok = smollm2
+    prompt = " ".join(f"Item {i} is {i * 7 % 100}." for i in range(34)) + " Item 13 is"
+    ids = torch.tensor([tok.encode(prompt)])
+    T = ids.shape[1]
+    assert 250 < T < 500
+    logits = {}
+    for spec in ("full", "synckv:budget=544", "synckv:budget=96"):
+        policy = make(spec).bind(model.cfg, device="cpu", dtype=torch.float32, max_len=T + 8)
+        out = [model(ids, policy=policy, logits_at=torch.tensor([T - 1]))]
+        nxt = out[-1].argmax(-1)
+        for t in range(T, T + 6):
+            out.append(model(nxt[:, None], positions=torch.tensor([[t]]), policy=policy, logits_at=torch.tensor([0])))
+            nxt = out[-1].argmax(-1)
+        logits[spec] = torch.cat(out)
+        if spec == "synckv:budget=96":
+            s = policy.stats()
+            assert s["anticipation_steps"] == 1 and s["tokens_fetched"] > 0
+            L = T + 6
+            read = [len(layer.read_tokens(0)) for layer in policy.layers]
+            assert max(read) <= 96
+            expected = 100 * sum(1 + 2 * r / L for r in read) / 3 / len(read)
+            assert abs(s["mem_percent"] - expected) < 1e-9 and s["mem_percent"] < 50
+    torch.testing.assert_close(logits["synckv:budget=544"], logits["full"], rtol=1e-4, atol=1e-4)
+
+
+def test_every_head_an_r_head_is_full_kv(tmp_path):
+    clusters = write_clusters(tmp_path / "all.json", TINY, [{"clusters": [[0], [1], [2]], "r_heads": [0, 1, 2]}] * 2, n_r=3)
+    policy = make(f"synckv:n_r=3,budget=8,window=2,clusters={clusters}").bind(TINY, device="cpu", dtype=torch.float32,
+                                                                              max_len=40)
+    g = torch.Generator().manual_seed(0)
+    layer = policy.layers[0]
+    layer.prefill(*(torch.randn(1, h, 20, 16, generator=g) for h in (6, 3, 3)), None)
+    layer.decode(*(torch.randn(1, h, 1, 16, generator=g) for h in (6, 3, 3)), None)
+    assert layer.attended_indices() is None and layer.host_tokens() == 0 and layer.device_tokens() == 21
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("synckv:budget=32", "budget must be an int > window"),
+    ("synckv:window=0", "window must be an int >= 1"),
+    ("synckv:rho=1.5", "rho"),
+    ("synckv:m=0", "synchronization stride"),
+    ("synckv:n_r=0", "n_r"),
+    ("synckv:offload=maybe", "offload is a boolean"),
+])
+def test_impossible_parameters(spec, message):
+    with pytest.raises(ValueError, match=message):
+        make(spec)
+
+
+def test_a_model_without_a_clustering_names_the_command(tmp_path):
+    with pytest.raises(ValueError, match="python -m minikv.bench cluster-heads"):
+        make("synckv").bind(TINY, device="cpu", dtype=torch.float32, max_len=40)
+    other = write_clusters(tmp_path / "other.json", ModelConfig(**{**TINY.__dict__, "vocab_size": 65}), TINY_CLUSTERS)
+    with pytest.raises(ValueError, match="made for another model"):
+        make(f"synckv:clusters={other}").bind(TINY, device="cpu", dtype=torch.float32, max_len=40)
+    with pytest.raises(ValueError, match="no clustering for n_r=2"):
+        make(f"synckv:n_r=2,clusters={write_clusters(tmp_path / 't.json', TINY, TINY_CLUSTERS)}").bind(
+            TINY, device="cpu", dtype=torch.float32, max_len=40)
