@@ -13,8 +13,9 @@ hands them to `policy.layer(i)`:
 `out` must be exactly what full attention returns over the tokens the policy lets that layer
 see. Before the layers run, the model asks `policy.rope_positions(positions)` where to rotate q
 and k: the absolute positions for every policy but one that renumbers (streaming), which answers
-with cache positions, so that a token is rotated once, where it will be read. After the last layer of each forward the generation loop calls
-`policy.end_step(logits)`; `policy.stats()` reports tiers and events at any time.
+with cache positions, so that a token is rotated once, where it will be read. After the last
+layer of each forward the generation loop calls `policy.end_step(logits)`; `policy.stats()`
+reports tiers and events at any time.
 
 Tiers: `device` is where attention runs (the model's device); `host` is CPU memory, pinned when
 CUDA is present. On a CPU-only machine both are CPU memory: the copies still happen and the
