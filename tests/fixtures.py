@@ -54,3 +54,22 @@ def hf_smollm2():
             save_model(model, str(tmp / "model.safetensors"))  # tied lm_head: stored once
             tmp.rename(saved)
     return AutoModelForCausalLM.from_pretrained(str(saved), dtype=torch.float32).eval()
+
+
+# ~330 tokens of "Item i is j." lines: a SmolLM2 prompt long enough for every policy to page,
+# select and offload, short enough for the default run
+ITEMS_PROMPT = " ".join(f"Item {i} is {i * 7 % 100}." for i in range(34)) + " Item 13 is"
+
+
+def greedy_logits(model, ids, spec: str, steps: int):
+    """Prefill ids (1, T) under a freshly bound `spec`, then `steps` greedy decode steps ->
+    (logits (steps + 1, V) of every step, the bound policy)."""
+    from minikv.policies import make
+
+    T = ids.shape[1]
+    policy = make(spec).bind(model.cfg, device="cpu", dtype=torch.float32, max_len=T + steps + 2)
+    out = [model(ids, policy=policy, logits_at=torch.tensor([T - 1]))]
+    for t in range(T, T + steps):
+        nxt = out[-1].argmax(-1)
+        out.append(model(nxt[:, None], positions=torch.tensor([[t]]), policy=policy, logits_at=torch.tensor([0])))
+    return torch.cat(out), policy

@@ -51,10 +51,10 @@ import torch.nn.functional as F
 from ..kernels.page_scores import GROUP_REDUCES, page_scores
 from .base import LayerKV, Policy, dense_attention, register
 from .full import FullLayer
-from .paged import DIGESTS, PagedKV, Staging
+from .paged import DIGESTS, PagedKV, PagedLayer, Staging
 
 
-class FreeKVLayer(LayerKV):
+class FreeKVLayer(PagedLayer):
     def __init__(self, policy: "FreeKV", index: int):
         super().__init__(policy, index)
         cfg, P = policy.cfg, policy.page_size
@@ -156,15 +156,6 @@ class FreeKVLayer(LayerKV):
                 self.recall(exact, heads=later, background=True)
         self.prev_q = q_unit
         return out
-
-    def device_tokens(self) -> float:
-        return self.kv.device_tokens()
-
-    def host_tokens(self) -> int:
-        return self.kv.host_tokens()
-
-    def allocated_device_tokens(self) -> int:
-        return self.kv.S * self.kv.P
 
     def allocated_host_tokens(self) -> int:
         return self.kv.max_pages * self.kv.P  # the host tier is preallocated for max_len

@@ -44,7 +44,7 @@ import torch
 from .base import LayerKV, Policy, dense_attention, register
 from .dci import DCIForest, first_k_distinct, random_direction
 from .full import FullLayer
-from .paged import PagedKV, Staging
+from .paged import PagedKV, PagedLayer, Staging
 
 
 class SemanticPages(PagedKV):
@@ -118,7 +118,7 @@ class SemanticPages(PagedKV):
         return self.length - self.n_cand * self.P + selected
 
 
-class IceCacheLayer(LayerKV):
+class IceCacheLayer(PagedLayer):
     def __init__(self, policy: "IceCache", index: int, anchor: "IceCacheLayer | None"):
         super().__init__(policy, index)
         cfg, P = policy.cfg, policy.page_size
@@ -203,15 +203,6 @@ class IceCacheLayer(LayerKV):
         return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int64)
 
     # -- accounting ------------------------------------------------------------------------------
-    def device_tokens(self) -> float:
-        return self.kv.device_tokens()
-
-    def host_tokens(self) -> int:
-        return self.kv.host_tokens()
-
-    def allocated_device_tokens(self) -> int:
-        return self.kv.S * self.kv.P
-
     def allocated_host_tokens(self) -> int:
         return self.forest.max_pages * self.kv.P  # page slots reserved per KV head
 

@@ -51,6 +51,7 @@ import torch
 from ..kernels.page_gather import page_gather
 from ..kernels.page_layout import hnd_to_nhd, nhd_to_hnd
 from ..kernels.paged_attention import paged_attention
+from .base import LayerKV
 from .streams import CudaStreams
 
 DIGESTS = ("minmax", "arkvale")
@@ -331,3 +332,17 @@ class PagedKV:
     def host_page(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Candidate c's keys and values as stored on the host: (Hkv, P, D) each."""
         return self.host[c, :, 0], self.host[c, :, 1]
+
+
+class PagedLayer(LayerKV):
+    """A policy's layer whose KV lives in a PagedKV (`self.kv`): its tier accounting is the
+    paged store's. Subclasses add what they reserve on the host and their aux buffers."""
+
+    def device_tokens(self) -> float:
+        return self.kv.device_tokens()
+
+    def host_tokens(self) -> int:
+        return self.kv.host_tokens()
+
+    def allocated_device_tokens(self) -> int:
+        return self.kv.S * self.kv.P

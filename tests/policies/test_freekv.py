@@ -16,6 +16,8 @@ from minikv.models.attention import dense_attention
 from minikv.policies import make
 from minikv.policies.paged import page_digest
 
+from ..fixtures import ITEMS_PROMPT, greedy_logits
+
 TINY = ModelConfig(model_type="llama", vocab_size=64, hidden_size=48, intermediate_size=64, n_layers=2,
                    n_heads=6, n_kv_heads=2, head_dim=16, max_position_embeddings=4096, rotary_dim=16)
 
@@ -218,19 +220,12 @@ def test_smollm2_full_budget_equals_full_and_retrieval_stats(smollm2):
     """SmolLM2, ~330 prompt tokens: a budget covering the context gives full KV's logits; a 128
     token budget retrieves (pages recalled, speculation counted, budget held)."""
     model, tok = smollm2
-    prompt = " ".join(f"Item {i} is {i * 7 % 100}." for i in range(34)) + " Item 13 is"
-    ids = torch.tensor([tok.encode(prompt)])
+    ids = torch.tensor([tok.encode(ITEMS_PROMPT)])
     T = ids.shape[1]
     assert 250 < T < 500
     logits = {}
     for spec in ("full", "freekv:budget=512", "freekv:budget=128"):
-        policy = make(spec).bind(model.cfg, device="cpu", dtype=torch.float32, max_len=T + 8)
-        out = [model(ids, policy=policy, logits_at=torch.tensor([T - 1]))]
-        nxt = out[-1].argmax(-1)
-        for t in range(T, T + 5):
-            out.append(model(nxt[:, None], positions=torch.tensor([[t]]), policy=policy, logits_at=torch.tensor([0])))
-            nxt = out[-1].argmax(-1)
-        logits[spec] = torch.cat(out)
+        logits[spec], policy = greedy_logits(model, ids, spec, 5)
         if spec == "freekv:budget=128":
             s = policy.stats()
             assert s["device_tokens_peak"] <= 128 and s["host_tokens"] >= T - 128 - 32

@@ -17,6 +17,8 @@ from minikv.models.attention import dense_attention
 from minikv.policies import make
 from minikv.policies.synckv_clusters import FORMAT, config_sha256
 
+from ..fixtures import ITEMS_PROMPT, greedy_logits
+
 TINY = ModelConfig(model_type="llama", vocab_size=64, hidden_size=48, intermediate_size=64, n_layers=2,
                    n_heads=6, n_kv_heads=3, head_dim=16, max_position_embeddings=4096, rotary_dim=16)
 # layer 0: one cluster (R-head 1); layer 1: {0, 2} led by 2, and head 1 alone (nobody to serve)
@@ -190,19 +192,12 @@ def test_smollm2_full_budget_equals_full_and_small_budget_anticipates(smollm2):
     context gives full KV's logits; budget 96 reads at most 96 tokens per NR-head, fetches at every
     5th step and keeps Mem% = (1 + 2 * read / L) / 3 (one R-head of 3 KV heads at full length)."""
     model, tok = smollm2
-    prompt = " ".join(f"Item {i} is {i * 7 % 100}." for i in range(34)) + " Item 13 is"
-    ids = torch.tensor([tok.encode(prompt)])
+    ids = torch.tensor([tok.encode(ITEMS_PROMPT)])
     T = ids.shape[1]
     assert 250 < T < 500
     logits = {}
     for spec in ("full", "synckv:budget=544", "synckv:budget=96"):
-        policy = make(spec).bind(model.cfg, device="cpu", dtype=torch.float32, max_len=T + 8)
-        out = [model(ids, policy=policy, logits_at=torch.tensor([T - 1]))]
-        nxt = out[-1].argmax(-1)
-        for t in range(T, T + 6):
-            out.append(model(nxt[:, None], positions=torch.tensor([[t]]), policy=policy, logits_at=torch.tensor([0])))
-            nxt = out[-1].argmax(-1)
-        logits[spec] = torch.cat(out)
+        logits[spec], policy = greedy_logits(model, ids, spec, 6)
         if spec == "synckv:budget=96":
             s = policy.stats()
             assert s["anticipation_steps"] == 1 and s["tokens_fetched"] > 0
