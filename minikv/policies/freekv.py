@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from ..kernels.page_scores import GROUP_REDUCES, page_scores
 from .base import LayerKV, Policy, dense_attention, register
 from .full import FullLayer
-from .paged import DIGESTS, PagedKV, PagedLayer, Staging
+from .paged import DIGESTS, PagedKV, PagedLayer, Staging, check_page_geometry
 
 
 class FreeKVLayer(PagedLayer):
@@ -178,13 +178,7 @@ class FreeKV(Policy):
                  tau: float = 0.9, speculative: bool = True, group_reduce: str = "softmax_mean",
                  digest: str = "arkvale", skip_layers: int = 0, backend: str = "eager"):
         super().__init__(backend=backend)
-        if not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-        for name, value in (("budget", budget), ("sink", sink), ("window", window)):
-            if not isinstance(value, int) or value < 0 or value % page_size:
-                raise ValueError(f"{name} must be a non-negative multiple of page_size={page_size}, got {value!r}")
-        if window < page_size:
-            raise ValueError(f"window must be >= page_size={page_size} (the partly filled last page), got {window}")
+        check_page_geometry(page_size, budget, sink, window)
         if budget < sink + window + 2 * page_size:  # + the partly filled last page + one selected
             raise ValueError(f"budget must be >= sink + window + 2 * page_size = {sink + window + 2 * page_size} "
                              f"(the partly filled last page and at least one selected page), got {budget}")

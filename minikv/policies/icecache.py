@@ -44,7 +44,7 @@ import torch
 from .base import LayerKV, Policy, dense_attention, register
 from .dci import DCIForest, first_k_distinct, random_direction
 from .full import FullLayer
-from .paged import PagedKV, PagedLayer, Staging
+from .paged import PagedKV, PagedLayer, Staging, check_page_geometry
 
 
 class SemanticPages(PagedKV):
@@ -225,13 +225,7 @@ class IceCache(Policy):
                  skip_layers: int = 2, reuse_every: int = 1, fov: int | None = None, prop: float = 0.8,
                  seed: int = 0, backend: str = "eager"):
         super().__init__(backend=backend)
-        if not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-        for name, value in (("budget", budget), ("sink", sink), ("window", window)):
-            if not isinstance(value, int) or value < 0 or value % page_size:
-                raise ValueError(f"{name} must be a non-negative multiple of page_size={page_size}, got {value!r}")
-        if window < page_size:
-            raise ValueError(f"window must be >= page_size={page_size} (the partly filled last page), got {window}")
+        check_page_geometry(page_size, budget, sink, window)
         if budget < sink + window + page_size:
             raise ValueError(f"budget must be >= sink + window + page_size = {sink + window + page_size} "
                              f"(at least one retrieved page), got {budget}")

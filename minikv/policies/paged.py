@@ -69,6 +69,18 @@ def page_digest(k: torch.Tensor, kind: str = "minmax") -> tuple[torch.Tensor, to
     raise ValueError(f"digest must be one of {DIGESTS}, got {kind!r}")
 
 
+def check_page_geometry(page_size, budget, sink, window) -> None:
+    """The parameter checks every page-based policy shares: whole pages for budget, sink and
+    window, and a window of at least one page (the partly filled last page is always read)."""
+    if not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    for name, value in (("budget", budget), ("sink", sink), ("window", window)):
+        if not isinstance(value, int) or value < 0 or value % page_size:
+            raise ValueError(f"{name} must be a non-negative multiple of page_size={page_size}, got {value!r}")
+    if window < page_size:
+        raise ValueError(f"window must be >= page_size={page_size} (the partly filled last page), got {window}")
+
+
 class Staging:
     """The two staging buffers recalls use in turn: pinned host and device, (n, 2, P, D) each.
 
