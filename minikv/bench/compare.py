@@ -113,7 +113,7 @@ def task_cost(inst, n_rows: int, n_own_prefill: int) -> float:
 
 def own_prefills(cfgs: list[dict]) -> int:
     """Rows whose policy cannot share the prefill (it renumbers positions: streaming)."""
-    return sum(renumbers_positions(make(c["spec"])) for c in cfgs)
+    return sum(renumbers_positions(make(c["policy"])) for c in cfgs)  # a class's trait: default parameters
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -236,6 +236,10 @@ def run_long_pass(model, rows: list[dict], ids: list[int], n_prompt: int) -> Non
 
     for i, stats in zip(keys, lockstep_long_pass(model, ids, n_prompt, live, rebind)):
         rows[i]["long"] = stats
+    full = rows[0].get("long") if rows[0]["spec"] == "full" else None
+    for row in rows:  # the ratio to this run's full KV, kept with the row when runs are merged
+        if row.get("long") and full:
+            row["long"]["tpot_x_full"] = row["long"]["tpot_s"] / full["tpot_s"]
 
 
 def machine() -> dict:
@@ -283,6 +287,10 @@ def settings_of(args) -> dict:
     return s
 
 
+def row_key(row: dict) -> tuple:
+    return row.get("source", "minikv"), row.get("spec", row.get("policy")), row.get("budget")
+
+
 def check(args) -> None:
     """The flags that need no model (python -m minikv.bench calls this before loading it)."""
     for path in args.include + ([args.from_json] if args.from_json else []):
@@ -302,9 +310,11 @@ def run(args) -> int:
             result = run_compare(model, tok, args, settings)
         for path in args.include:
             extra = load_rows(path)
+            have = {row_key(r) for r in result["rows"]}
             for row in extra["rows"]:
                 row.setdefault("source", extra.get("source", Path(path).stem))
-                result["rows"].append(row)
+                if row_key(row) not in have:  # a row measured in both runs (their full KV): the first is kept
+                    result["rows"].append(row)
             result.setdefault("included", []).append({"file": path, "machine": extra.get("machine"),
                                                       "settings": extra.get("settings")})
     except ValueError as e:

@@ -149,3 +149,23 @@ def test_shared_prefill_rows_answer_as_separate_runs_do(smollm2):
     for spec, got in zip(specs, lock):
         assert got["steps"] == 19
         assert got["ppl"] == pytest.approx(long_pass(model, ids, 180, spec)["ppl"], rel=1e-5), spec
+
+
+def test_include_of_a_second_minikv_run_keeps_one_full_row_and_each_runs_ratio(tmp_path):
+    # a compare run split in two (each with its own full KV): the merged table has one full row,
+    # and each row's TPOT ratio is against the full KV of the run that measured it
+    first, second = fake_result(), fake_result()
+    second["rows"][1].update(policy="icecache", spec="icecache:budget=64")
+    for run, full_tpot in ((first, 0.02), (second, 0.04)):
+        for r in run["rows"]:
+            r["long"]["tpot_x_full"] = r["long"]["tpot_s"] / full_tpot
+    second["rows"][1]["long"]["tpot_s"] = 0.03
+    second["rows"][1]["long"]["tpot_x_full"] = 0.75
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(first))
+    b.write_text(json.dumps(second))
+    out = tmp_path / "out"
+    assert main(["compare", "--from", str(a), "--include", str(b), "--out", str(out)]) == 0
+    merged = json.loads((out / "compare.json").read_text())
+    assert [r["policy"] for r in merged["rows"]] == ["full", "freekv", "icecache"]
+    assert [r["tpot_ratio"] for r in merged["rows"]] == [1.0, 0.5, 0.75]
