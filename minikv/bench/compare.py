@@ -26,6 +26,7 @@ run of the same schema (reference/compare_kvpress.py writes kvpress's), marked b
 """
 from __future__ import annotations
 
+import gc
 import json
 import math
 import sys
@@ -210,6 +211,7 @@ def run_compare(model, tok, args, settings: dict) -> dict:
                 continue
             heard.append(f"{rows[i]['spec']} {tallies[i].add(inst, text, b):.0f}")
         del bound, logits
+        gc.collect()  # a policy and its layers point at each other: free this prompt's caches now
         progress.step(task_cost(inst, len(cfgs), own), f"{inst.task} seed {inst.seed}: " + ", ".join(heard))
         for row, tally in zip(rows, tallies):
             row.update(tally.summary())
