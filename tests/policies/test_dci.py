@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minikv.policies.dci import (DCIForest, closest_per_node, field_of_view, first_k_distinct, level_of,
-                                 random_direction)
+from minikv.policies.dci import (DCIForest, closest_per_node, field_of_view, first_k_distinct, level_of, levels_of,
+                                 node_windows, random_direction, window_starts)
 
 
 def forest_of(keys, P=16, first=100, nxt=5, capacity=None, seed=0):
@@ -76,6 +76,7 @@ def test_promotion_counter():
     assert levels[:99] == [1] * 99 and levels[99] == 2 and levels[499] == 3 and levels[2499] == 4
     assert levels[12499] == 5 and sum(x >= 2 for x in levels) == 125 and sum(x >= 3 for x in levels) == 25
     assert field_of_view(100) == 30 and field_of_view(40_000) == 60
+    assert levels_of(torch.arange(12500)).tolist() == levels
 
 
 def test_first_k_distinct():
@@ -102,6 +103,29 @@ def test_closest_fraction_of_each_node(n, prop, seed):
         m = math.ceil(len(members) * prop - 1e-9)
         nearest = members[(x[members] - pq).abs().argsort()[:m]]
         assert set(keep.nonzero()[:, 0].tolist()) & set(members.tolist()) == set(nearest.tolist())
+
+
+@given(n=st.integers(1, 60), prop=st.sampled_from([0.3, 0.5, 0.8, 1.0]), ties=st.booleans(),
+       seed=st.integers(0, 1000))
+def test_node_windows_equal_the_closest_fraction(n, prop, ties, seed):
+    """The search's per-node form of the rule (a searchsorted per node and query, what the
+    tree search runs) keeps exactly the points closest_per_node keeps, ties in projection too."""
+    g = torch.Generator().manual_seed(seed)
+    nodes = torch.randint(0, 5, (n,), generator=g).sort().values
+    x = torch.randint(0, 8 if ties else 1000, (n,), generator=g).float() / 1000
+    order = torch.argsort(nodes * 10 + x, stable=True)
+    x, nodes = x[order], nodes[order]
+    node_of = torch.unique_consecutive(nodes, return_inverse=True)[1]
+    N = int(node_of[-1]) + 1
+    start = torch.tensor([int((node_of == j).nonzero()[0]) for j in range(N)])
+    size = torch.bincount(node_of, minlength=N)
+    twice_pq = 2 * torch.rand(1, 4, 1, generator=g) / 100 * (1 if ties else 10)
+    keep = closest_per_node(x[None], twice_pq, start[node_of][None], size[node_of][None], prop, torch.arange(n))
+    pair_key, m = node_windows(x[None], node_of[None], start[None], size[None], prop)
+    lo = window_starts(pair_key, twice_pq, N)  # (1, 4, N)
+    at = torch.arange(n)
+    windows = (lo[..., node_of] <= at) & (at < lo[..., node_of] + m[0, node_of])
+    assert torch.equal(windows, keep)
 
 
 # -- insertion invariant ---------------------------------------------------------------------------
