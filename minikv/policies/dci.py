@@ -54,6 +54,7 @@ import torch
 from ..kernels.dci_scores import dci_scores
 from ..kernels.dci_scores.reference import stable_topk
 
+CLOSEST = 128  # projections a node's scan scores per step before it checks its stop (M-DCI's CLOSEST)
 FIRST_PROMOTION = 100  # a point in 100 reaches level 2 (the authors' ratio_1 = 0.01)
 NEXT_PROMOTION = 5  # a level-l point in 5 reaches level l + 1 (ratio_2 = 0.2)
 
@@ -306,14 +307,14 @@ class DCIForest:
         return page
 
     # -- query (Algorithms 3 and 4) ----------------------------------------------------------------
-    def _layout(self, level: int, prop: float) -> tuple:
+    def _layout(self, level: int, prop: float, fov: int, batch: int) -> tuple:
         """The level's points per head grouped by node (parent), in projection order within one,
         and what the search needs of them that does not depend on the query: order, node_of
         (H, n_l) tree id and node index per position; per node (H, N, padded with empty nodes
         at n_l): start, up (its parent's position on the level above) and the node_windows of
         the closest-`prop` rule. Rebuilt lazily after an insertion or a growth of c (both change
         projections or nodes)."""
-        lay = self._layouts.get((level, prop))
+        lay = self._layouts.get((level, prop, fov, batch))
         if lay is None:
             ids = self.level_ids(level)
             n_l = ids.numel()
@@ -333,11 +334,11 @@ class DCIForest:
             size = torch.zeros(self.H, N, dtype=torch.int64).scatter_add_(1, node_of, torch.ones_like(node_of))
             up = torch.zeros(self.H, N, dtype=torch.int64)  # the parents' positions one level up
             up.scatter_(1, node_of, self.pos_in_level[par.clamp_min(0)])
-            pair_key, m = node_windows(self.proj.gather(1, order), node_of, start, size, prop)
-            lay = self._layouts[(level, prop)] = (order, node_of, pair_key, start, up, m)
+            pair_key, m = node_windows(self.proj.gather(1, order), node_of, start, size, prop, fov, batch)
+            lay = self._layouts[(level, prop, fov, batch)] = (order, node_of, pair_key, start, up, m)
         return lay
 
-    def candidates(self, q: torch.Tensor, heads: torch.Tensor, fov: int, prop: float):
+    def candidates(self, q: torch.Tensor, heads: torch.Tensor, fov: int, prop: float, batch: int = CLOSEST):
         """Algorithm 4 with Flag = True: score the keys the tree search visits. q (B, G, D) blocks
         of G queries searching the tree of KV head heads[b] (B,) -> per level, from the top,
         concatenated: ids (B, C) tree ids (-1 pad) and scores (B, G, C) float32, q.k where query g
@@ -351,7 +352,7 @@ class DCIForest:
         ids_out, scores_out = [], []
         expanded = None  # (B, G, n_{l+1} + 1) bool: the fov best points of the level above, by position
         for level in range(self.top, 0, -1):
-            layout = self._layout(level, prop)
+            layout = self._layout(level, prop, fov, batch)
             if not same_heads:
                 layout = tuple(t.index_select(0, heads) for t in layout)
             order, node_of, pair_key, start, up, m = layout  # (B, n_l) x 3, (B, N) x 3
@@ -390,9 +391,10 @@ class DCIForest:
         self.searched += R * self.n
         return torch.cat(ids_out, dim=1), torch.cat(scores_out, dim=2)
 
-    def top_keys(self, q: torch.Tensor, heads: torch.Tensor, k: int, fov: int | None = None, prop: float = 0.8):
+    def top_keys(self, q: torch.Tensor, heads: torch.Tensor, k: int, fov: int | None = None, prop: float = 0.8,
+                 batch: int = CLOSEST):
         """The k keys of largest q.k the search finds: q (B, G, D) -> tree ids (B, G, k), -1 pad."""
-        ids, scores = self.candidates(q, heads, field_of_view(self.n) if fov is None else fov, prop)
+        ids, scores = self.candidates(q, heads, field_of_view(self.n) if fov is None else fov, prop, batch)
         B, G, C = scores.shape
         if C < k:
             ids = torch.cat((ids, ids.new_full((B, k - C), -1)), 1)
@@ -401,14 +403,15 @@ class DCIForest:
         found = ids[:, None].expand(B, G, -1).gather(2, best)
         return torch.where(scores.gather(2, best) > float("-inf"), found, -1)
 
-    def select_pages(self, q: torch.Tensor, heads: torch.Tensor, k: int, fov: int | None = None, prop: float = 0.8):
+    def select_pages(self, q: torch.Tensor, heads: torch.Tensor, k: int, fov: int | None = None, prop: float = 0.8,
+                     batch: int = CLOSEST):
         """Algorithm 3: per query, the first k distinct pages in order of their best scored key,
         i.e. the k pages of largest max q.k over the keys it scored (ties to the lower page).
         q (B, G, D), heads (B,) -> pages (B, G, k) of the block's head, -1 pad."""
         B, G, _ = q.shape
         if self.n == 0:
             return torch.full((B, G, k), -1, dtype=torch.int64)
-        ids, scores = self.candidates(q, heads, field_of_view(self.n) if fov is None else fov, prop)
+        ids, scores = self.candidates(q, heads, field_of_view(self.n) if fov is None else fov, prop, batch)
         pages = torch.where(ids >= 0, self.page_of.index_select(0, heads).gather(1, ids.clamp_min(0)), self.max_pages)
         best = torch.full((B, G, self.max_pages + 1), float("-inf"))
         best.scatter_reduce_(2, pages[:, None].expand(B, G, -1), scores, "amax")
@@ -460,17 +463,28 @@ def float_order(x: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) + 2**31
 
 
+def visited_per_node(size: torch.Tensor, prop: float, fov: int = 0, batch: int = 1) -> torch.Tensor:
+    """How many of a node's `size` children a query scores, as the authors' M-DCI query does
+    with one simple index: all of them when the field of view covers the node (fov >= size);
+    otherwise the nearest projections are taken in batches of `batch` (M-DCI's CLOSEST = 128)
+    until at least max(fov, ceil(prop size)) are scored (the candidate stop, checked after each
+    batch). batch = 1, fov = 0: exactly ceil(prop size), closest_per_node's rule."""
+    want = torch.ceil(size * prop - 1e-9).long().clamp_min(fov)
+    m = ((want + batch - 1) // batch) * batch
+    return torch.where(size <= fov, size, m.minimum(size))
+
+
 def node_windows(x: torch.Tensor, node_of: torch.Tensor, start: torch.Tensor, size: torch.Tensor,
-                 prop: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 prop: float, fov: int = 0, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """closest_per_node's rule, per node instead of per point, in the part that does not depend
     on the query: x, node_of (H, n_l) projections grouped by node (ascending within one) and each
     point's node index; start, size (H, N) per node -> (pair_key (H, n_l) int64 sorted per row,
-    m (H, N)). A query's window in node j is then [lo, lo + m_j) with lo = searchsorted(pair_key,
+    m (H, N) the children each query scores, visited_per_node). A query's window in node j is then [lo, lo + m_j) with lo = searchsorted(pair_key,
     j 2^32 + order(2 pq)): the m nearest of a sorted run x_0 <= ... <= x_{s-1} start at
     a = #{i < s - m : x_i + x_{i+m} < 2 pq} (the pair sums grow with i), and the node index in
     the high bits keeps each node's pair sums apart (i >= s - m get the node's largest key)."""
     H, n_l = x.shape
-    m = torch.ceil(size * prop - 1e-9).long()  # (H, N)
+    m = visited_per_node(size, prop, fov, batch)  # (H, N)
     m_of = m.gather(1, node_of)  # (H, n_l) each point's node's m
     ar = torch.arange(n_l).expand(H, n_l)
     i = ar - start.gather(1, node_of)  # position within the node
