@@ -41,11 +41,23 @@ root's pages become its pages unchanged (their members keep their page), and it 
 
 Query (Algorithms 3 and 4, page selection): from the top level down, the candidates of a level
 are the children of the `fov` best points expanded on the level above (all top-level points at
-the start); of each node's children only the closest `prop` fraction by projection |u.T_K(k) -
-u.T_Q(q)| is scored (DCI's candidate stop with m = 1, prop_to_retrieve = 0.8), exactly, by q.k.
-Every scored point is a candidate key. Pages are taken in the order of their best scored key, the
-first `k` distinct ones. Field of view max(30, 0.0015 n) as in the authors' code. With fov >= n
-and prop = 1 every point is scored: the search is exact.
+the start). Each node's children are scanned as the authors' M-DCI scans them with one simple
+index (m = 1): outward from the query's projection u.T_Q(q) in the order of |u.T_K(k) - u.T_Q(q)|,
+in batches of CLOSEST = 128 projections, until max(fov, ceil(prop size)) are scored (the
+candidate stop, prop_to_retrieve = 0.8, checked after each batch); a node the field of view
+covers (size <= fov) is scored whole. So nodes of up to 128 children are scored whole, and the
+tree prunes by the field of view: only the children of the fov best points of a level are
+looked at. (Where M-DCI picks a batch's side by the next projection, the window here is the m
+nearest projections; the count is M-DCI's.) Scoring is exact, by q.k, and every scored point is
+a candidate key. Pages are taken in the order of their best scored key, the first `k` distinct
+ones. Field of view max(30, 0.0015 n) as in the authors' code. With fov >= n every point is
+scored: the search is exact.
+
+Speed: the search runs per level on all KV heads and all queries of a block at once. The parts
+that do not depend on the query (the level's points grouped by node, each node's window size,
+its pair sums x_i + x_{i+m}, see node_windows) are kept per level until an insertion; per query
+and node, the window start is one searchsorted, and the block's candidates are the union of its
+queries' windows (a +1/-1 at each window's ends and a cumulative sum).
 """
 from __future__ import annotations
 

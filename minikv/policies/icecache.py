@@ -34,6 +34,10 @@ Decisions where the paper is silent (the authors' code where it speaks, DESIGN.m
     KV in pages of the anchor's tree (the same tokens grouped the same way) and read the pages
     the anchor selected in the same step.
   * The query is the current step's q: no speculation (the authors' default, n_prefetch = 0).
+  * The tree search scans a node's children as the authors' M-DCI does (dci.py: batches of 128
+    projections, a node the field of view covers scored whole; `batch`). Scoring only the
+    closest 80% of every node (batch = 1) drops a fifth of each upper level's subtrees: it
+    missed the passkey's page at 4,000 tokens where the authors' scan finds it.
 """
 from __future__ import annotations
 

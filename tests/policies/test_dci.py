@@ -137,6 +137,48 @@ def test_visited_per_node_follows_the_authors_scan():
     assert visited_per_node(size, 0.8).tolist() == [1, 4, 24, 25, 80, 103, 104, 128, 129, 160, 400, 800]
 
 
+def scored_by_a_loop(f, q, h, fov, prop, batch):
+    """Algorithm 4 for one query q (D,) on head h's tree, written as loops over levels and nodes
+    (the readable form of the batched search): the tree ids it scores."""
+    pq = float(f.query_projection(q[None])[0])
+    scored, expanded = set(), None
+    for level in range(f.top, 0, -1):
+        ids = f.level_ids(level).tolist()
+        nodes = {}
+        for t in ids:
+            nodes.setdefault(int(f.parent[h, t]), []).append(t)
+        level_scored = []
+        for parent, children in nodes.items():
+            if expanded is not None and parent not in expanded:
+                continue  # only the children of the points expanded on the level above
+            m = int(visited_per_node(torch.tensor([len(children)]), prop, fov, batch))
+            nearest = sorted(children, key=lambda t: abs(float(f.proj[h, t]) - pq))[:m]
+            level_scored += nearest
+        scored.update(level_scored)
+        by_score = sorted(level_scored, key=lambda t: -float(f.keys[h, t] @ q))
+        expanded = set(by_score[:fov])
+    return scored
+
+
+@settings(max_examples=15)
+@given(n=st.integers(20, 400), fov=st.sampled_from([2, 5, 30]), prop=st.sampled_from([0.5, 0.8]),
+       batch=st.sampled_from([1, 4, 128]), seed=st.integers(0, 1000))
+def test_batched_search_equals_the_loop(n, fov, prop, batch, seed):
+    """The batched search (all heads and queries at once, per-node windows) scores exactly the
+    keys the loop over levels and nodes scores, for every query of every block."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(2, n, 8, generator=g)
+    f = forest_of(keys, P=4, first=7, nxt=3, seed=seed)
+    f.build(keys)
+    q = torch.randn(2, 3, 8, generator=g)
+    heads = torch.tensor([1, 0])
+    ids, scores = f.candidates(q, heads, fov, prop, batch)
+    for b in range(2):
+        for j in range(3):
+            found = set(ids[b][scores[b, j] > float("-inf")].tolist())
+            assert found == scored_by_a_loop(f, q[b, j], int(heads[b]), fov, prop, batch)
+
+
 # -- insertion invariant ---------------------------------------------------------------------------
 
 def check_pages(f, keys):
