@@ -369,8 +369,8 @@ class DCIForest:
                 layout = tuple(t.index_select(0, heads) for t in layout)
             order, node_of, pair_key, start, up, m = layout  # (B, n_l) x 3, (B, N) x 3
             n_l, N = order.shape[1], start.shape[1]
-            # each query's window in each node: its closest prop of the node's children (DCI's
-            # candidate stop with m = 1), counted only where the query expanded the node's parent
+            # each query's window in each node: the m children its scan scores (visited_per_node),
+            # nearest in projection, counted only where the query expanded the node's parent
             lo = window_starts(pair_key, twice_pq, N)  # (B, G, N)
             hi = lo + m[:, None]
             opened = torch.ones(B, G, N, dtype=torch.bool) if expanded is None else \
