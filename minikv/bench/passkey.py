@@ -25,6 +25,7 @@ depths. stderr: a line per trial as it ends.
 """
 from __future__ import annotations
 
+import gc
 import random
 import re
 import sys
@@ -144,6 +145,7 @@ class SharedPrefill:
 
 def shared_trials(model, tok, specs: list[str], ids: list[int], new_tokens: int) -> dict[str, dict]:
     """Prefill once for all specs, decode each greedily -> {spec: {"text", "stats"}}."""
+    gc.collect()  # a policy and its layers point at each other: free the last prompt's caches first
     policies = [make(s).bind(model.cfg, device=model.device, dtype=model.dtype, max_len=len(ids) + new_tokens)
                 for s in specs]
     x = torch.tensor([ids], device=model.device)
