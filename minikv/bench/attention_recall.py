@@ -164,7 +164,7 @@ def check(args) -> None:
 def run(args) -> int:
     import sys
 
-    from .compare import long_pass
+    from .compare_run import long_pass
 
     try:
         rows, budgets = check(args)

@@ -20,12 +20,16 @@ minikv/bench/tasks; greedy decoding, chat template):
   long      one prefill of --long-prompt tokens of pydoc_data.topics, then --long-steps tokens fed
             one at a time: TPOT (mean step), its ratio to full's (same run), peak device KV, bytes
             moved between tiers, and the perplexity of those tokens (the cache decoding sees)
-Writes Markdown tables (stdout and --out/compare.md), --out/compare.json (every number, the
-machine) and the figures (--out/*.png, matplotlib). --include FILE.json merges rows of another
-run of the same schema (reference/compare_kvpress.py writes kvpress's), marked by their source.
+Prompt by prompt, every row runs on one shared prefill where its policy allows (compare_run.py),
+and the long pass runs all rows in lockstep, so the TPOT ratios hold on a machine whose load
+drifts. Writes Markdown tables (stdout and --out/compare.md), --out/compare.json (every number,
+the machine) and the figures (--out/*.png, matplotlib). --include FILE.json merges rows of another
+run of the same schema: reference/compare_kvpress.py writes kvpress's, marked by their source; a
+second minikv run (other --policy) adds its rows, each keeping its TPOT ratio to its own full KV.
 """
 from __future__ import annotations
 
+import gc
 import json
 import math
 import sys
@@ -34,22 +38,21 @@ from pathlib import Path
 
 import torch
 
-from ..generate import decode_one_token, generate, prefill
 from ..policies import available, make
 from ..policies.base import _REGISTRY, parameters
 from . import compare_report as report
-from .attention_recall import RecallProbe, renumbers_positions
+from .attention_recall import renumbers_positions
 from .common import add_common_arguments, environment, load_model, text_ids
+from .compare_run import Bound, answer, bind, lockstep_long_pass, prefill_all
 from .passkey import with_budget
-from .ppl import nll_of, ppl
 from .tasks import make_instance, string_match_all, task_names
 
 COMMAND = "compare"
 PRESETS = {
     # quick: about 2 CPU-minutes per row on one thread (README: measured time)
     "quick": {"length": 1024, "seeds": [0], "long_prompt": 2048, "long_steps": 32},
-    # full: what the README's table shows; several times the quick preset's work per row
-    "full": {"length": 4096, "seeds": [0, 1], "long_prompt": 8000, "long_steps": 64},
+    # full: what the README's table shows; four times the quick preset's prompt length
+    "full": {"length": 4096, "seeds": [0], "long_prompt": 8000, "long_steps": 64},
 }
 BUDGETS = [64, 128, 256, 512]
 
@@ -107,107 +110,141 @@ def fmt_time(s: float) -> str:
     return "?" if not math.isfinite(s) else f"{int(s // 60)}m{int(s % 60):02d}s"
 
 
-def task_cost(inst) -> float:
-    return inst.length + 20 * inst.max_new_tokens  # a decode step costs about 20 prompt tokens on a CPU
+def task_cost(inst, n_rows: int, n_own_prefill: int) -> float:
+    # a decode step costs about 20 prompt tokens on a CPU; one shared prefill, one per other row
+    return inst.length * (1 + n_own_prefill) + 20 * inst.max_new_tokens * n_rows
 
 
-# -- one row -----------------------------------------------------------------------------------
+def own_prefills(cfgs: list[dict]) -> int:
+    """Rows whose policy cannot share the prefill (it renumbers positions: streaming)."""
+    return sum(renumbers_positions(make(c["policy"])) for c in cfgs)  # a class's trait: default parameters
 
 
-def run_tasks(model, tok, cfg: dict, instances, oracle_budgets, progress) -> dict:
-    """Scores, KV used and recall of one policy over the task instances."""
-    scores: dict[str, list[float]] = {}
-    device, seq, answers = [], [], []
-    probe_sum = probe_n = 0.0
-    oracle: dict[int, list[float]] = {}
-    for inst in instances:
-        policy = make(cfg["spec"])
-        probe = None
-        if not renumbers_positions(policy):
-            probe = RecallProbe(policy, oracle_budgets if cfg["spec"] == "full" else ())
-
-        def sample(row, token_id):  # after every forward: the KV attention reads, and the sequence
-            if token_id >= 0:
-                device.append(sum(layer.device_tokens() for layer in policy.layers) / len(policy.layers))
-                seq.append(len(inst.ids) + policy.steps - 1)
-
-        result = generate(model, tok, inst.ids, policy=policy, max_new_tokens=inst.max_new_tokens, on_token=sample)
-        score = string_match_all([result.text], [inst.answers])
-        scores.setdefault(inst.task, []).append(score)
-        answers.append({"task": inst.task, "seed": inst.seed, "answer": result.text, "score": score})
-        if probe is not None and probe.recall is not None:
-            probe_sum += probe.sum
-            probe_n += probe.count
-        for b, r in (probe.oracle.items() if probe is not None else ()):
-            oracle.setdefault(b, []).append(r)
-        progress.step(task_cost(inst), f"{cfg['spec']} {inst.task} seed {inst.seed}: {score:.0f}  {result.text.strip()[:40]!r}")
-    shares = [d / s for d, s in zip(device, seq)]
-    return {"scores": {t: sum(v) / len(v) for t, v in scores.items()}, "answers": answers,
-            "kv_mean_tokens": sum(device) / len(device), "kv_peak_tokens": max(device),
-            "kv_share_mean": sum(device) / sum(seq), "kv_share_peak": max(shares),
-            "recall": probe_sum / probe_n if probe_n else None,
-            "oracle": {b: sum(v) / len(v) for b, v in oracle.items()}}
+# -- the run -----------------------------------------------------------------------------------
 
 
-def long_pass(model, ids: list[int], n_prompt: int, policy) -> dict:
-    """Prefill n_prompt tokens, then feed the rest one at a time (teacher forcing): the time of
-    each step, the NLL of each next token, the tiers at the end. policy: a spec or an unbound Policy."""
-    policy = make(policy).bind(model.cfg, device=model.device, dtype=model.dtype, max_len=len(ids))
-    x = torch.tensor([ids], device=model.device)
-    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
-    logits = prefill(model, x[:, :n_prompt], torch.tensor([n_prompt], device=model.device), policy)[0]
-    nlls = {n_prompt - 1: nll_of(logits, ids[n_prompt])}
-    times, t = [], n_prompt
-    while t < len(ids) - 1:
-        sync()
-        t0 = time.perf_counter()
-        logits = decode_one_token(model, x[0, t:t + 1], torch.tensor([t], device=model.device), policy)[0]
-        sync()
-        times.append(time.perf_counter() - t0)
-        nlls[t] = nll_of(logits, ids[t + 1])
-        rewind = policy.last_action.rewind if policy.last_action is not None else 0
-        t = t + 1 - rewind  # a policy that dropped the last tokens' KV (softfreeze's rewalk) gets them again
-    st = policy.stats()
-    return {"tpot_s": sum(times) / len(times), "ppl": ppl(list(nlls.values())), "steps": len(times),
-            "device_tokens_peak": st["device_tokens_peak"], "kv_share_peak": st["device_tokens_peak"] / len(ids),
-            "bytes_to_device": st["bytes_to_device"], "bytes_to_host": st["bytes_to_host"],
-            "device_bytes": st["device_bytes"], "host_bytes": st["host_bytes"],
-            "device_bytes_allocated": st.get("device_bytes_allocated"), "host_bytes_allocated": st.get("host_bytes_allocated")}
+class Tally:
+    """One row's task results, gathered prompt by prompt."""
+
+    def __init__(self):
+        self.scores: dict[str, list[float]] = {}
+        self.answers, self.device, self.seq = [], [], []
+        self.recall_sum = self.recall_n = 0.0
+        self.oracle: dict[int, list[float]] = {}
+
+    def add(self, inst, text: str, b) -> float:
+        score = string_match_all([text], [inst.answers])
+        self.scores.setdefault(inst.task, []).append(score)
+        self.answers.append({"task": inst.task, "seed": inst.seed, "answer": text, "score": score})
+        self.device += b.device
+        self.seq += b.seq
+        if b.probe is not None and b.probe.recall is not None:
+            self.recall_sum += b.probe.sum
+            self.recall_n += b.probe.count
+        for budget, r in (b.probe.oracle.items() if b.probe is not None else ()):
+            self.oracle.setdefault(budget, []).append(r)
+        return score
+
+    def summary(self) -> dict:
+        if not self.device:
+            return {}
+        shares = [d / s for d, s in zip(self.device, self.seq)]
+        return {"scores": {t: sum(v) / len(v) for t, v in self.scores.items()}, "answers": self.answers,
+                "kv_mean_tokens": sum(self.device) / len(self.device), "kv_peak_tokens": max(self.device),
+                "kv_share_mean": sum(self.device) / sum(self.seq), "kv_share_peak": max(shares),
+                "recall": self.recall_sum / self.recall_n if self.recall_n else None,
+                "oracle": {b: sum(v) / len(v) for b, v in self.oracle.items()}}
+
+
+def bind_rows(model, rows: list[dict], max_len: int, oracle_budgets, probe: bool) -> dict[int, Bound]:
+    """Bind every row not failed yet; a policy refusing its budget or this length fails its row only."""
+    bound = {}
+    for i, row in enumerate(rows):
+        if row["error"] is None:
+            try:
+                budgets = oracle_budgets if row["spec"] == "full" else ()
+                bound[i] = bind(model, row["spec"], max_len, budgets, probe)
+            except (ValueError, RuntimeError) as e:
+                fail(row, e)
+    return bound
+
+
+def fail(row: dict, e: Exception) -> None:
+    row["error"] = f"{type(e).__name__}: {e}"
+    print(f"  {row['spec']}: {row['error']}", file=sys.stderr, flush=True)
+
+
+def prefill_rows(model, rows, bound: dict[int, Bound], ids, max_len, oracle_budgets, probe) -> dict[int, torch.Tensor]:
+    keys = list(bound)
+    live = [bound[i] for i in keys]
+
+    def rebind(j):
+        return bind(model, rows[keys[j]]["spec"], max_len, oracle_budgets if rows[keys[j]]["spec"] == "full" else (), probe)
+
+    logits = prefill_all(model, live, ids, rebind)
+    bound.update(zip(keys, live))  # rebinding replaced some
+    return dict(zip(keys, logits))
 
 
 def run_compare(model, tok, args, settings: dict) -> dict:
     cfgs = configs(args.policy, settings["budgets"])
-    tasks = settings["tasks"]
     instances = [make_instance(t, tok, settings["length"], s, chat=settings["chat"])
-                 for t in tasks if t != "long" for s in settings["seeds"]]
-    long_ids = text_ids(tok, settings["long_prompt"] + settings["long_steps"]) if "long" in tasks else None
-    per_row = sum(task_cost(i) for i in instances) + (settings["long_prompt"] + 20 * settings["long_steps"]
-                                                     if long_ids else 0)
-    progress = Progress(per_row * len(cfgs))
-    print(f"compare: {len(cfgs)} rows x ({len(instances)} task instances{' + long pass' if long_ids else ''})",
-          file=sys.stderr, flush=True)
-    result = {"benchmark": "compare", "model": args.model, "settings": settings, "rows": [], "oracle": {},
+                 for t in settings["tasks"] if t != "long" for s in settings["seeds"]]
+    long_ids = text_ids(tok, settings["long_prompt"] + settings["long_steps"]) if "long" in settings["tasks"] else None
+    own = own_prefills(cfgs)
+    long_cost = (settings["long_prompt"] * (1 + own) + 20 * settings["long_steps"] * len(cfgs)) if long_ids else 0
+    progress = Progress(sum(task_cost(i, len(cfgs), own) for i in instances) + long_cost)
+    print(f"compare: {len(cfgs)} rows x ({len(instances)} task instances{' + long pass' if long_ids else ''}), "
+          "one prefill per prompt shared by the rows that can share it", file=sys.stderr, flush=True)
+    rows = [{"source": "minikv", **cfg, "error": None} for cfg in cfgs]
+    result = {"benchmark": "compare", "model": args.model, "settings": settings, "rows": rows, "oracle": {},
               "machine": machine()}
-    for cfg in cfgs:
-        row = {"source": "minikv", **cfg, "error": None}
-        try:
-            if instances:
-                row.update(run_tasks(model, tok, cfg, instances, settings["budgets"], progress))
-                if cfg["spec"] == "full":
-                    result["oracle"] = row.pop("oracle")
-                else:
-                    row.pop("oracle")
-            if long_ids:
-                row["long"] = long_pass(model, long_ids, settings["long_prompt"], cfg["spec"])
-                progress.step(settings["long_prompt"] + 20 * settings["long_steps"],
-                              f"{cfg['spec']} long pass: TPOT {1000 * row['long']['tpot_s']:.1f} ms")
-        except Exception as e:  # noqa: BLE001  one policy failing (a budget it refuses) must not sink the run
-            row["error"] = f"{type(e).__name__}: {e}"
-            print(f"  {cfg['spec']}: {row['error']}", file=sys.stderr, flush=True)
-        result["rows"].append(row)
+    tallies = [Tally() for _ in rows]
+    oracle_budgets = settings["budgets"]
+    for inst in instances:
+        max_len = len(inst.ids) + inst.max_new_tokens
+        bound = bind_rows(model, rows, max_len, oracle_budgets, probe=True)
+        logits = prefill_rows(model, rows, bound, inst.ids, max_len, oracle_budgets, True)
+        heard = []
+        for i, b in bound.items():
+            try:
+                text = answer(model, tok, b, logits[i], len(inst.ids), inst.max_new_tokens)
+            except (ValueError, RuntimeError) as e:  # one policy failing must not sink the run
+                fail(rows[i], e)
+                continue
+            heard.append(f"{rows[i]['spec']} {tallies[i].add(inst, text, b):.0f}")
+        del bound, logits
+        gc.collect()  # a policy and its layers point at each other: free this prompt's caches now
+        progress.step(task_cost(inst, len(cfgs), own), f"{inst.task} seed {inst.seed}: " + ", ".join(heard))
+        for row, tally in zip(rows, tallies):
+            row.update(tally.summary())
         if args.out:  # partial results survive a crash
             save(result, args)
+    for row in rows:
+        oracle = row.pop("oracle", {})
+        if row["spec"] == "full":
+            result["oracle"] = oracle
+    if long_ids:
+        run_long_pass(model, rows, long_ids, settings["long_prompt"])
+        progress.step(long_cost, "long pass: " + ", ".join(
+            f"{r['spec']} {1000 * r['long']['tpot_s']:.0f} ms" for r in rows if r.get("long")))
     return result
+
+
+def run_long_pass(model, rows: list[dict], ids: list[int], n_prompt: int) -> None:
+    bound = bind_rows(model, rows, len(ids), (), probe=False)
+    keys = list(bound)
+    live = [bound[i] for i in keys]
+
+    def rebind(j):
+        return bind(model, rows[keys[j]]["spec"], len(ids), (), False)
+
+    for i, stats in zip(keys, lockstep_long_pass(model, ids, n_prompt, live, rebind)):
+        rows[i]["long"] = stats
+    full = rows[0].get("long") if rows[0]["spec"] == "full" else None
+    for row in rows:  # the ratio to this run's full KV, kept with the row when runs are merged
+        if row.get("long") and full:
+            row["long"]["tpot_x_full"] = row["long"]["tpot_s"] / full["tpot_s"]
 
 
 def machine() -> dict:
@@ -255,6 +292,10 @@ def settings_of(args) -> dict:
     return s
 
 
+def row_key(row: dict) -> tuple:
+    return row.get("source", "minikv"), row.get("spec", row.get("policy")), row.get("budget")
+
+
 def check(args) -> None:
     """The flags that need no model (python -m minikv.bench calls this before loading it)."""
     for path in args.include + ([args.from_json] if args.from_json else []):
@@ -274,9 +315,11 @@ def run(args) -> int:
             result = run_compare(model, tok, args, settings)
         for path in args.include:
             extra = load_rows(path)
+            have = {row_key(r) for r in result["rows"]}
             for row in extra["rows"]:
                 row.setdefault("source", extra.get("source", Path(path).stem))
-                result["rows"].append(row)
+                if row_key(row) not in have:  # a row measured in both runs (their full KV): the first is kept
+                    result["rows"].append(row)
             result.setdefault("included", []).append({"file": path, "machine": extra.get("machine"),
                                                       "settings": extra.get("settings")})
     except ValueError as e:

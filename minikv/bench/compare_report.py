@@ -34,7 +34,8 @@ def annotate(result: dict) -> None:
             r[f"mean_{key}"] = sum(scores[t] for t in mine) / len(mine) if mine else None
         base = _reference(rows, r.get("source"))
         mine, theirs = (r.get("long") or {}).get("tpot_s"), (base or {}).get("long", {}).get("tpot_s")
-        r["tpot_ratio"] = mine / theirs if mine and theirs else None
+        # against full KV of the row's own run when it says (rows merged from several runs)
+        r["tpot_ratio"] = (r.get("long") or {}).get("tpot_x_full") or (mine / theirs if mine and theirs else None)
 
 
 def label(r: dict) -> str:

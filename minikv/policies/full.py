@@ -23,6 +23,7 @@ class FullLayer(LayerKV):
         self.k = torch.empty(shape, dtype=policy.dtype, device=device)
         self.v = torch.empty(shape, dtype=policy.dtype, device=device)
         self.lengths = torch.zeros(B, dtype=torch.int64, device=device)  # valid tokens per row
+        self.longest, self.ragged = 0, False  # empty until the prefill
 
     def prefill(self, q, k, v, positions):
         # q (B, Hq, T, D); k, v (B, Hkv, T, D); positions (B, T), -1 marks right padding

@@ -121,3 +121,51 @@ def test_quick_preset_streaming_loses_needles_full_kv_finds(smollm2, tmp_path, m
     assert full["mean"] == 100.0 and stream["mean"] < 50
     assert stream["kv_peak_tokens"] <= 64 and stream["long"]["device_tokens_peak"] <= 64
     assert stream["long"]["ppl"] > full["long"]["ppl"]
+
+
+def test_shared_prefill_rows_answer_as_separate_runs_do(smollm2):
+    # the compare run prefills a prompt once for the rows that can share it (streaming prefills
+    # alone), then each row decodes on its own cache: the answers, and the long pass's perplexity
+    # in lockstep, must be those of one run per policy
+    from minikv import generate
+    from minikv.bench.compare_run import bind, lockstep_long_pass, long_pass, prefill_all, answer, shares_prefill
+    from minikv.bench.common import text_ids
+    from minikv.bench.tasks import make_instance
+
+    model, tok = smollm2
+    specs = ["full", "streaming:budget=64", "freekv:budget=96,page_size=8,sink=8,window=16", "synckv:budget=64",
+             "icecache:budget=96,page_size=8,skip_layers=28"]
+    inst = make_instance("niah_single_1", tok, 300, 0)
+    n = len(inst.ids) + inst.max_new_tokens
+    rows = [bind(model, s, n, [32] if s == "full" else ()) for s in specs]
+    assert [shares_prefill(r) for r in rows] == [True, False, True, True, True]
+    logits = prefill_all(model, rows, inst.ids, rebind=None)
+    for spec, b, lg in zip(specs, rows, logits):
+        alone = generate(model, tok, inst.ids, policy=spec, max_new_tokens=inst.max_new_tokens).text
+        assert answer(model, tok, b, lg, len(inst.ids), inst.max_new_tokens) == alone, spec
+        assert len(b.device) >= 1 and b.seq[0] == len(inst.ids)
+    ids = text_ids(tok, 200)
+    lock = lockstep_long_pass(model, ids, 180, [bind(model, s, 200, probe=False) for s in specs], rebind=None)
+    for spec, got in zip(specs, lock):
+        assert got["steps"] == 19
+        assert got["ppl"] == pytest.approx(long_pass(model, ids, 180, spec)["ppl"], rel=1e-5), spec
+
+
+def test_include_of_a_second_minikv_run_keeps_one_full_row_and_each_runs_ratio(tmp_path):
+    # a compare run split in two (each with its own full KV): the merged table has one full row,
+    # and each row's TPOT ratio is against the full KV of the run that measured it
+    first, second = fake_result(), fake_result()
+    second["rows"][1].update(policy="icecache", spec="icecache:budget=64")
+    for run, full_tpot in ((first, 0.02), (second, 0.04)):
+        for r in run["rows"]:
+            r["long"]["tpot_x_full"] = r["long"]["tpot_s"] / full_tpot
+    second["rows"][1]["long"]["tpot_s"] = 0.03
+    second["rows"][1]["long"]["tpot_x_full"] = 0.75
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(first))
+    b.write_text(json.dumps(second))
+    out = tmp_path / "out"
+    assert main(["compare", "--from", str(a), "--include", str(b), "--out", str(out)]) == 0
+    merged = json.loads((out / "compare.json").read_text())
+    assert [r["policy"] for r in merged["rows"]] == ["full", "freekv", "icecache"]
+    assert [r["tpot_ratio"] for r in merged["rows"]] == [1.0, 0.5, 0.75]
