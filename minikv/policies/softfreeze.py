@@ -21,15 +21,17 @@ attentions of steps t+1 .. t+d and restored at the end of step t+d; we store tha
 instead of a countdown, which is the same schedule without touching every timer every step.
 
 Data layout, one sequence (max_batch = 1), per layer:
-    kv        (2, Hkv, cap, D)  device: keys (kv[0]) and values (kv[1]) of the *active* tokens,
-                                contiguous in slots [0, n_act), any order (attention is
+    kv        (cap, 2, Hkv, D)  device: keys (kv[:, 0]) and values (kv[:, 1]) of the *active*
+                                tokens, contiguous in slots [0, n_act), any order (attention is
                                 order-free); cap grows by doubling. k, v are its (1, Hkv, cap, D)
-                                views. One buffer, so every move of K and V is one op, not two.
+                                views. One buffer, token-major, so every move of a token's K and V
+                                is one contiguous row of 2 * Hkv * D values: freezing and thawing
+                                are row gathers (index_select / index_copy_), not strided ones.
     slot_tok  (cap,)            device: the token index (= position) held by each active slot
     slot_count (cap,)           device: c_j of the token in each active slot (slot_tok and
                                 slot_count are the two rows of one (2, cap) tensor, `slots`, so
                                 that moving a slot's bookkeeping is one op)
-    kv_host   (2, Hkv, max_len, D)  host: frozen tokens, addressed by token index (views k_host,
+    kv_host   (max_len, 2, Hkv, D)  host: frozen tokens, addressed by token index (views k_host,
                                 v_host (Hkv, max_len, D))
     count, thaw_at, frozen_at (max_len,)  device: per-token state of frozen tokens
 Per step and layer, when nothing freezes or thaws, the schedule is a handful of vector ops and
@@ -116,7 +118,7 @@ class SoftFreezeLayer(LayerKV):
         self.next_thaw = NOT_FROZEN  # earliest thaw_at of a frozen token: no restore check before it
         self.freezes = self.thaws = 0  # tokens moved by Algorithm 1 (recovery counted by the policy)
         self.kv = self.slots = self.slot_tok = self.slot_count = None
-        self.kv_host = torch.empty((2, self.Hkv, N, self.D), dtype=policy.dtype, pin_memory=policy.tiers.pin)
+        self.kv_host = torch.empty((N, 2, self.Hkv, self.D), dtype=policy.dtype, pin_memory=policy.tiers.pin)
         # c_j lives beside the active slot (slot_count), so the per-step update is one add; a
         # frozen token's count waits in count by token index and comes back with it
         self.count = torch.zeros(N, dtype=torch.int64, device=dev)
@@ -133,8 +135,8 @@ class SoftFreezeLayer(LayerKV):
         # q (1, Hq, T, D); k, v (1, Hkv, T, D)
         T = k.shape[2]
         self._reserve(T + 64)
-        self.kv[0, :, :T] = k[0]
-        self.kv[1, :, :T] = v[0]
+        self.kv[:T, 0] = k[0].transpose(0, 1)  # (T, Hkv, D)
+        self.kv[:T, 1] = v[0].transpose(0, 1)
         self.slot_tok[:T] = torch.arange(T, device=k.device)
         self.slot_count[:T] = 0
         self.n_act = self.n_tok = T
@@ -149,8 +151,8 @@ class SoftFreezeLayer(LayerKV):
         # q (1, Hq, 1, D); k, v (1, Hkv, 1, D); the token's position is n_tok
         self._reserve(self.n_act + 1)
         a = self.n_act
-        self.kv[0, :, a] = k[0, :, 0]
-        self.kv[1, :, a] = v[0, :, 0]
+        self.kv[a, 0] = k[0, :, 0]
+        self.kv[a, 1] = v[0, :, 0]
         self.slot_tok[a] = self.n_tok
         self.slot_count[a] = 0
         self.n_act += 1
@@ -173,7 +175,7 @@ class SoftFreezeLayer(LayerKV):
         return self.cap
 
     def allocated_host_tokens(self) -> int:
-        return self.kv_host.shape[2]  # preallocated for max_len tokens: a frozen token never waits
+        return self.kv_host.shape[0]  # preallocated for max_len tokens: a frozen token never waits
 
     def aux_bytes(self) -> tuple[int, int]:
         # per-token bookkeeping on the device: counts, timers, freeze steps, history ring, slot maps
@@ -233,14 +235,14 @@ class SoftFreezeLayer(LayerKV):
         keep[slots] = False
         holes = slots[slots < m]  # removed slots inside the new length...
         fill = keep[m:].nonzero()[:, 0] + m  # ...and as many kept slots past it
-        self.kv[:, :, holes] = self.kv[:, :, fill]
+        self.kv.index_copy_(0, holes, self.kv.index_select(0, fill))
         self.slots[:, holes] = self.slots[:, fill]
         self.n_act = m
 
     def _freeze(self, slots: torch.Tensor, tok: torch.Tensor) -> None:
         """Move active slots `slots` (holding tokens `tok`) to the host tier."""
         tiers, host_tok = self.policy.tiers, tok.cpu()
-        self.kv_host[:, :, host_tok] = tiers.to_host(self.kv[:, :, slots], fresh=True)  # (2, Hkv, f, D)
+        self.kv_host.index_copy_(0, host_tok, tiers.to_host(self.kv.index_select(0, slots), fresh=True))  # (f, 2, Hkv, D)
         self._remove_slots(slots)
         self.n_frozen += len(tok)
 
@@ -251,7 +253,7 @@ class SoftFreezeLayer(LayerKV):
             tiers, host_tok = self.policy.tiers, tok.cpu()
             self._reserve(self.n_act + r)
             a, b = self.n_act, self.n_act + r
-            self.kv[:, :, a:b] = tiers.to_device(self.kv_host[:, :, host_tok], fresh=True)  # (2, Hkv, r, D)
+            self.kv[a:b] = tiers.to_device(self.kv_host.index_select(0, host_tok), fresh=True)  # (r, 2, Hkv, D)
             self.slot_tok[a:b] = tok
             if self.policy.history is None:
                 self.slot_count[a:b] = self.count[tok]
@@ -266,20 +268,20 @@ class SoftFreezeLayer(LayerKV):
         if n <= self.cap:
             return
         cap = min(self.policy.max_len, max(n, 2 * self.cap))
-        kv = torch.empty((2, self.Hkv, cap, self.D), dtype=self.policy.dtype, device=self.policy.tiers.device)
+        kv = torch.empty((cap, 2, self.Hkv, self.D), dtype=self.policy.dtype, device=self.policy.tiers.device)
         slots = torch.empty((2, cap), dtype=torch.int64, device=kv.device)
         if self.cap:
             a = self.n_act
-            kv[:, :, :a] = self.kv[:, :, :a]
+            kv[:a] = self.kv[:a]
             slots[:, :a] = self.slots[:, :a]
         self.kv, self.slots, self.cap = kv, slots, cap
         self.slot_tok, self.slot_count = slots  # the rows, as views
 
     # views of the two buffers: (1, Hkv, cap, D) as attention takes them, (Hkv, max_len, D) on the host
-    k = property(lambda self: self.kv[0:1])
-    v = property(lambda self: self.kv[1:2])
-    k_host = property(lambda self: self.kv_host[0])
-    v_host = property(lambda self: self.kv_host[1])
+    k = property(lambda self: self.kv[:, 0].transpose(0, 1)[None])
+    v = property(lambda self: self.kv[:, 1].transpose(0, 1)[None])
+    k_host = property(lambda self: self.kv_host[:, 0].transpose(0, 1))
+    v_host = property(lambda self: self.kv_host[:, 1].transpose(0, 1))
 
 
     def _lengths(self) -> torch.Tensor:
