@@ -65,10 +65,11 @@ def oracle_attention(q1, keys, values, reads):
 
 @st.composite
 def synckv_cases(draw):
-    window = draw(st.integers(1, 6))
-    return dict(window=window, budget=window + draw(st.integers(1, 14)), rho=draw(st.sampled_from([0.0, 0.3, 0.5, 1.0])),
-                m=draw(st.integers(1, 4)), T=draw(st.integers(1, 30)), steps=draw(st.integers(1, 14)),
-                offload=draw(st.booleans()), anticipation=draw(st.booleans()), seed=draw(st.integers(0, 2**16)))
+    window, m, anticipation = draw(st.integers(1, 6)), draw(st.integers(1, 4)), draw(st.booleans())
+    ring = window + m - 1 if anticipation else window  # the window's slots: the budget is more
+    return dict(window=window, budget=ring + draw(st.integers(1, 14)), rho=draw(st.sampled_from([0.0, 0.3, 0.5, 1.0])),
+                m=m, T=draw(st.integers(1, 30)), steps=draw(st.integers(1, 14)),
+                offload=draw(st.booleans()), anticipation=anticipation, seed=draw(st.integers(0, 2**16)))
 
 
 def run_against_oracle(case, clusters, backend="eager"):
