@@ -174,8 +174,9 @@ class SoftFreezeLayer(LayerKV):
         return self.kv_host.shape[0]  # preallocated for max_len tokens: a frozen token never waits
 
     def aux_bytes(self) -> tuple[int, int]:
-        # per-token bookkeeping on the device: counts, timers, freeze steps, history ring, slot maps
-        parts = [self.count, self.thaw_at, self.frozen_at, self.seen, self.slots]
+        # per-token bookkeeping on the device: counts, timers, freeze steps, history ring, slot
+        # maps, host-copy flags
+        parts = [self.count, self.thaw_at, self.frozen_at, self.seen, self.slots, self.state.on_host[self.index]]
         return sum(t.numel() * t.element_size() for t in parts if t is not None), 0
 
     def _lengths(self) -> torch.Tensor:
@@ -210,6 +211,7 @@ class SoftFreezeLayer(LayerKV):
         self.n_tok = n_keep
         self.count[n_keep:] = 0
         self.frozen_at[n_keep:] = -1
+        self.state.on_host[self.index, n_keep:] = False  # the next tokens at these indices are new
         if self.seen is not None:
             self.seen[n_keep:] = -self.policy.history - 1
 

@@ -21,6 +21,10 @@ Layout (L layers, N = max_len, cap slots per layer, grown by doubling for all la
     slots     (2, L, cap) int64    device: slot_tok = slots[0] (the token held by each active slot)
                                    and slot_count = slots[1] (its c_j), moved together as one
     kv_host   (L, N, 2, Hkv, D)    host: frozen tokens, addressed by token index
+    on_host   (L, N) bool          device: kv_host holds the token's K/V already. A token's K/V
+                                   never changes, so the copy made at its first freeze is still
+                                   exact when it freezes again: a refreeze (every other step for
+                                   a token in d = 1 cycles) moves nothing to the host
     count, thaw_at, frozen_at (L, N)  device: per-token state of frozen tokens
     seen      (L, N, W)            device, with a history window W only: the steps of each
                                    token's last W detections (a ring indexed by its count)
@@ -55,6 +59,7 @@ class FreezeTiers:
         self.count = torch.zeros((L, N), dtype=torch.int64, device=dev)
         self.thaw_at = torch.full((L, N), NOT_FROZEN, dtype=torch.int64, device=dev)
         self.frozen_at = torch.full((L, N), -1, dtype=torch.int64, device=dev)  # step of the last freeze
+        self.on_host = torch.zeros((L, N), dtype=torch.bool, device=dev)
         W = p.history
         self.seen = torch.full((L, N, W), -W - 1, dtype=torch.int64, device=dev) if W else None
         self.n_act = [0] * L  # active tokens of each layer: slots [0, n_act[l])
@@ -88,6 +93,7 @@ class FreezeTiers:
         self.kv[l, :T, 1] = v.transpose(0, 1)
         self.slots[0, l, :T] = torch.arange(T, device=k.device)
         self.slots[1, l, :T] = 0
+        self.on_host[l] = False
         self.n_act[l] = self.n_tok[l] = T
 
     def append(self, l: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -161,8 +167,11 @@ class FreezeTiers:
 
     def freeze(self, l: int, slots: torch.Tensor, tok: torch.Tensor) -> None:
         """Move layer l's active slots `slots` (holding tokens `tok`) to the host tier."""
-        rows = self.p.tiers.to_host(self.kv[l].index_select(0, slots), fresh=True)  # (f, 2, Hkv, D)
-        self.kv_host[l].index_copy_(0, tok.cpu(), rows)
+        new = ~self.on_host[l, tok]  # (f,) tokens the host does not hold yet
+        slots_new, tok_new = slots[new], tok[new]
+        rows = self.p.tiers.to_host(self.kv[l].index_select(0, slots_new), fresh=True)  # (f', 2, Hkv, D)
+        self.kv_host[l].index_copy_(0, tok_new.cpu(), rows)
+        self.on_host[l, tok_new] = True
         self.remove_slots(l, slots)
         self.n_frozen[l] += len(tok)
 
@@ -252,10 +261,15 @@ class FreezeTiers:
                 self.kv_host.view(-1, 2, self.Hkv, self.D))
 
     def _freeze_all(self, lf: torch.Tensor, jf: torch.Tensor, tok: torch.Tensor) -> None:
-        """Copy the rows of slots jf of layers lf (holding tokens tok; all (f,)) to the host tier."""
-        kv, _, kv_host = self._rows()
-        rows = self.p.tiers.to_host(kv.index_select(0, lf * self.cap + jf), fresh=True)  # (f, 2, Hkv, D)
-        kv_host.index_copy_(0, (lf * self.N + tok).cpu(), rows)
+        """Copy the rows of slots jf of layers lf (holding tokens tok; all (f,)) to the host tier,
+        those the host does not hold yet."""
+        new = ~self.on_host[lf, tok]
+        lf, jf, tok = lf[new], jf[new], tok[new]
+        if len(lf):
+            kv, _, kv_host = self._rows()
+            rows = self.p.tiers.to_host(kv.index_select(0, lf * self.cap + jf), fresh=True)  # (f', 2, Hkv, D)
+            kv_host.index_copy_(0, (lf * self.N + tok).cpu(), rows)
+            self.on_host[lf, tok] = True
 
     def _close_holes(self, freeze: torch.Tensor, active: torch.Tensor, m: torch.Tensor) -> None:
         """remove_slots for every layer: the frozen slots below a layer's new length m[l] are

@@ -27,7 +27,7 @@ def assert_same(a, b, where: str) -> None:
         n, T = a.n_act[l], a.n_tok[l]
         assert torch.equal(a.slots[:, l, :n], b.slots[:, l, :n]), f"{where}, layer {l}: slot tokens or counts"
         assert torch.equal(a.kv[l, :n], b.kv[l, :n]), f"{where}, layer {l}: active K/V"
-        for name in ("count", "thaw_at", "frozen_at") + (("seen",) if a.seen is not None else ()):
+        for name in ("count", "thaw_at", "frozen_at", "on_host") + (("seen",) if a.seen is not None else ()):
             assert torch.equal(getattr(a, name)[l, :T], getattr(b, name)[l, :T]), f"{where}, layer {l}: {name}"
         frozen = (a.thaw_at[l, :T] != NOT_FROZEN).nonzero()[:, 0]
         assert torch.equal(a.kv_host[l, frozen], b.kv_host[l, frozen]), f"{where}, layer {l}: frozen K/V"
@@ -88,3 +88,6 @@ def test_batched_schedule_over_a_long_run_with_every_kind_of_move():
         a = run_twins(spec, n_layers=3, n_prompt=50, steps=120, seed=7, ops=["", "", "", "", "grow", "unfreeze"] * 20)
         assert min(a.freezes) > 100 and min(a.thaws) > 100 and min(a.n_frozen) > 0
         assert len(set(a.n_act)) > 1, "the layers should differ in their active tokens"
+        # a token's K/V goes to the host once: its refreezes (most freezes here) copy nothing
+        assert a.p.tiers.bytes_to_host == int(a.on_host.sum()) * a.p.token_bytes() > 0
+        assert sum(a.freezes) > 2 * int(a.on_host.sum())
