@@ -11,22 +11,29 @@ clusters and names one representative head (R-head) per cluster. Then, per layer
 
   prefill (Sec. 4.2, Algorithm 1 lines 9-17): dense attention over the prompt. R-heads keep their
     full KV on the device; the other heads' (NR-heads') KV is offloaded whole to the host tier
-    (the "context bank"). I_0 = the top k of the R-head's attention from the last prompt token
-    (Eq. 3), split into the static set (the best ceil(rho k), on the device for good) and the
-    initial dynamic set (the other floor((1 - rho) k) = k_dyn; Eq. 4).
+    (the "context bank"), and the prompt's last tokens also stay on the device as the start of
+    the recent window. I_0 = the top k of the R-head's attention from the last prompt token
+    among the tokens before the window (Eq. 3), split into the static set (the best ceil(rho k),
+    on the device for good) and the initial dynamic set (the other floor((1 - rho) k) = k_dyn;
+    Eq. 4).
   decode: R-heads attend over their full KV (line 22); NR-heads attend over static + dynamic +
     the recent window, through kernels/gathered_attention (line 24). Every m-th step is an
     *anticipation* step (Eqs. 5-7, lines 26-31): after attention, the R-head's attention of this
     step (max-pooled over its GQA group, App. B.1; kernels/attention_topk) picks the top k_dyn
-    tokens among those not static and not in the window, and the cluster's KV of those tokens
+    tokens among those not static and before the window, and the cluster's KV of those tokens
     comes from the host into the dynamic slots, for the following steps. The other steps are
     *suspension* steps (Eq. 8, lines 33-35): no selection, no transfer.
 
-Decisions (DESIGN.md "synckv"): the clustering unit is the KV head; budget = the most tokens an
-NR-head reads on the device = k + window, k = static + dynamic; tokens generated while decoding
-stay on the device for every head until they leave a recent window of `window` (32) tokens, then
-join the bank, where a later anticipation can fetch them back (until then an NR-head does not
-see them: up to m - 1 steps). Mem% counts R-heads at full length. Where the paper is silent:
+Decisions (DESIGN.md "synckv"): the clustering unit is the KV head; Mem% counts R-heads at full
+length. The recent window: the last `window` (32) tokens, whatever their origin (the prompt's
+tail at the first steps, then generated tokens), are on the device for every head and read at
+every step. A token leaves the window only at a selection point (the prefill, an anticipation
+step), when the R-head can judge it: it joins the candidates of that selection (generated tokens
+are copied to the bank then; the bank holds the whole prompt from the prefill), so no token is
+ever out of an NR-head's sight without having been a candidate. Between two anticipations the
+window therefore grows from `window` to `window` + m - 1 tokens, and budget = the most tokens an
+NR-head reads on the device = k + window + m - 1, k = static + dynamic (w/o anticipation, tokens
+leave the window at every step: budget = k + window). Where the paper is silent:
 a cluster's NR-heads read their own cluster's sets (Sec. 4.3, "uniformly loaded for their
 cluster"); the dynamic set is chosen among tokens not already on the device (static, window), so
 no token is read twice; a fetch copies only tokens the dynamic slots do not already hold.
@@ -63,24 +70,27 @@ class SyncKVLayer(LayerKV):
         self.rq = torch.tensor([h * G + g for h in self.r_heads for g in range(G)], device=dev)  # their query heads
         self.nq = torch.tensor([h * G + g for h in self.nr_heads for g in range(G)], device=dev)
         Hr, Hn, n = len(self.r_heads), len(self.nr_heads), policy.max_len
-        self.ks, self.kd, self.W = policy.k_static, policy.k_dyn, policy.window
+        self.ks, self.kd, self.W, self.R = policy.k_static, policy.k_dyn, policy.window, policy.ring
         self.kr = torch.empty(1, Hr, n, D, dtype=policy.dtype, device=dev)  # R-heads: full KV, device
         self.vr = torch.empty_like(self.kr)
         self.keep = torch.ones(1, Hr, n, dtype=torch.bool, device=dev)  # False: static, never re-selected
         self.offload = policy.offload and Hn > 0  # False: "w/o initialization", slot = token index
-        # NR-heads' device slots (with offloading): [0, ks) static, [ks, ks + kd) dynamic, window ring
+        # NR-heads' device slots (with offloading): [0, ks) static, [ks, ks + kd) dynamic, then a
+        # ring of R = window + m - 1 slots holding the recent window, token t in slot ks + kd + t % R
         self.bank = ContextBank(n_heads=Hn, max_len=n, slots=policy.budget, head_dim=D, dtype=policy.dtype,
                                 tiers=policy.tiers, offload=self.offload, stage_rows=Hn * self.kd)
         self.static = [[] for _ in self.clusters]  # per cluster: token indices, slot order
         self.dynamic = [[-1] * self.kd for _ in self.clusters]  # per cluster: token held by each dynamic slot
-        self.read_dynamic = self.dynamic
+        self.read_dynamic, self.read_window = self.dynamic, range(0)  # what the last step read
         self.T = self.length = self.step = 0
+        self.start = 0  # the recent window is tokens [start, length); tokens before it are candidates
         self.anticipations = self.fetched = 0  # tokens copied host -> device, per NR-head
 
     # -- where tokens are ----------------------------------------------------------------------
     def window_tokens(self) -> range:
-        """Generated tokens still in the recent window (on the device for every head)."""
-        return range(max(self.T, self.length - self.W), self.length)
+        """The recent window (on the device for every head): the last `window` tokens at least,
+        and those that have come and gone since the last selection point."""
+        return range(self.start, self.length)
 
     def read_tokens(self, c: int, dynamic=None) -> list[int]:
         """Token indices an NR-head of cluster c reads: static, dynamic, window (disjoint)."""
@@ -90,8 +100,8 @@ class SyncKVLayer(LayerKV):
     def slot_of(self, t: int, c: int) -> int:
         if not self.offload:
             return t
-        if t >= self.T and t >= self.length - self.W:  # in the window ring
-            return self.ks + self.kd + (t - self.T) % self.W
+        if t >= self.start:  # in the window ring
+            return self.ks + self.kd + t % self.R
         if t in self.static[c]:
             return self.static[c].index(t)
         return self.ks + self.dynamic[c].index(t)
@@ -102,7 +112,7 @@ class SyncKVLayer(LayerKV):
         for c in self.nr_cluster:
             if self.offload:  # slot numbers without a lookup per token
                 dyn = [self.ks + j for j, t in enumerate(self.dynamic[c]) if t >= 0]
-                win = [self.ks + self.kd + j for j in range(len(self.window_tokens()))]
+                win = [self.ks + self.kd + t % self.R for t in self.window_tokens()]
                 rows.append(list(range(len(self.static[c]))) + dyn + win)
             else:
                 rows.append(self.read_tokens(c))
@@ -116,29 +126,33 @@ class SyncKVLayer(LayerKV):
         T = self.T = self.length = k.shape[2]
         self.kr[:, :, :T] = k[:, self.r_heads]
         self.vr[:, :, :T] = v[:, self.r_heads]
+        # the first decode step reads the last `window` tokens: the prompt's from start on
+        self.start = max(0, T + 1 - self.W)
         if self.nr_heads:
             k_nr, v_nr = k[0, self.nr_heads], v[0, self.nr_heads]  # (Hn, T, D)
             self.bank.write_prompt(k_nr, v_nr)  # Algorithm 1 line 12: the NR-heads' KV goes whole
             self.initialize(q[:, :, -1], k_nr, v_nr)
+        self.read_dynamic, self.read_window = list(self.dynamic), self.window_tokens()
         return out
 
     def initialize(self, q_last, k_nr, v_nr):
-        """Eqs. 3-4: I_0 from the R-head's attention of the last prompt token, split by rho."""
+        """Eqs. 3-4: I_0 from the R-head's attention of the last prompt token, split by rho. The
+        candidates are the tokens before the window (the window's are read at every step anyway)."""
         # q_last (1, Hq, D); k_nr, v_nr (Hn, T, D)
-        T, backend = self.T, self.policy.backend
+        T, n, backend = self.T, self.start, self.policy.backend
         q_r = q_last[:, self.rq]
         _, lse = decode_attention(q_r, self.kr[:, :, :T], self.vr[:, :, :T], torch.tensor([T], device=q_r.device),
                                   return_lse=True, backend=backend)
-        _, top = attention_topk(q_r, self.kr[:, :, :T], lse, torch.tensor([T], device=q_r.device), None,
+        _, top = attention_topk(q_r, self.kr[:, :, :n], lse, torch.tensor([n], device=q_r.device), None,
                                 self.ks + self.kd, backend=backend)
         for c, row in enumerate(top[0].tolist()):
             chosen = [t for t in row if t >= 0]  # best first
             self.static[c], dyn = chosen[:self.ks], chosen[self.ks:]
             self.dynamic[c] = dyn + [-1] * (self.kd - len(dyn))
             self.keep[0, c, self.static[c]] = False
-        if self.offload:  # the NR-heads keep I_0 on the device (Sec. 4.2): copied before it leaves
+        if self.offload:  # the NR-heads keep I_0 and the window on the device (Sec. 4.2)
             for j, c in enumerate(self.nr_cluster):
-                tokens = self.static[c] + [t for t in self.dynamic[c] if t >= 0]
+                tokens = self.read_tokens(c)
                 self.bank.keep_on_device(j, [self.slot_of(t, c) for t in tokens], k_nr[j, tokens], v_nr[j, tokens])
 
     def decode(self, q, k, v, positions):
@@ -158,14 +172,29 @@ class SyncKVLayer(LayerKV):
             out[:, self.nq] = gathered_attention(q1[:, self.nq], self.bank.store_k, self.bank.store_v, self.nr_index(),
                                                  backend=backend)
         self.step += 1
-        self.read_dynamic = list(self.dynamic)  # what this step read (anticipate replaces the rows)
-        if self.policy.anticipation and self.nr_heads and self.step % self.policy.m == 0:
+        self.read_window = self.window_tokens()  # what this step read (the rest may change below)
+        self.read_dynamic = list(self.dynamic)
+        if not self.nr_heads:
+            return out[:, :, None]
+        if not self.policy.anticipation:  # nothing will ever judge a token that leaves: it leaves now
+            self.slide_window()
+        elif self.step % self.policy.m == 0:
+            self.slide_window()
             self.anticipate(q_r, lse_r)  # lines 26-31, for the steps that follow
         return out[:, :, None]
 
+    def slide_window(self):
+        """A selection point: the window shrinks to the last `window` tokens as of the next step;
+        the generated tokens that leave it go to the bank (the prompt is there already)."""
+        start = max(self.start, self.length + 1 - self.W)
+        leaving = range(max(self.start, self.T), start)
+        if self.offload and leaving:
+            self.bank.spill(list(leaving), [self.ks + self.kd + t % self.R for t in leaving])
+        self.start = start
+
     def append(self, k, v):
-        """A new token: R-heads' full KV; NR-heads' window ring, whose oldest token (when the
-        ring is full) first goes to the bank."""
+        """A new token: R-heads' full KV; NR-heads' window ring (the slot it takes belongs to a
+        token that left the window at a selection point, and went to the bank then)."""
         p = self.length
         if p >= self.kr.shape[2]:
             raise ValueError(f"the sequence outgrew max_len ({self.kr.shape[2]} tokens)")
@@ -173,17 +202,17 @@ class SyncKVLayer(LayerKV):
         self.vr[0, :, p] = v[0, self.r_heads, 0]
         if self.nr_heads:
             k_nr, v_nr = k[0, self.nr_heads, 0], v[0, self.nr_heads, 0]  # (Hn, D)
-            if self.offload:  # the window ring; the token leaving the window joins the bank
-                old = p - self.W
-                self.bank.push(self.ks + self.kd + (p - self.T) % self.W, k_nr, v_nr, old if old >= self.T else None)
+            if self.offload:
+                self.bank.push(self.ks + self.kd + p % self.R, k_nr, v_nr)
             else:
                 self.bank.push(p, k_nr, v_nr)
         self.length = p + 1
 
     def anticipate(self, q_r, lse_r):
-        """Eqs. 5-7: each R-head's top k_dyn among the bank's tokens not static, then fetch."""
+        """Eqs. 5-7: each R-head's top k_dyn among the tokens before the window, not static, then
+        fetch."""
         # q_r (1, Hr*G, D); lse_r (1, Hr*G): this step's R-head queries and their normalisers
-        n = self.length - len(self.window_tokens())  # tokens in the bank: candidates
+        n = self.start  # the candidates: tokens [0, start), all in the bank
         self.anticipations += 1
         if self.kd == 0:  # rho = 1: no dynamic set to choose
             return
@@ -218,16 +247,18 @@ class SyncKVLayer(LayerKV):
         when every head read every token."""
         L = self.length
         rows = {h: list(range(L)) for h in self.r_heads}
-        rows.update({h: self.read_tokens(c, self.read_dynamic) for h, c in zip(self.nr_heads, self.nr_cluster)})
+        rows.update({h: self.static[c] + [t for t in self.read_dynamic[c] if t >= 0] + list(self.read_window)
+                     for h, c in zip(self.nr_heads, self.nr_cluster)})
         if all(len(r) == L for r in rows.values()):
             return None
         n = max(len(r) for r in rows.values())
         return torch.tensor([rows[h] + [-1] * (n - len(rows[h])) for h in range(self.cfg.n_kv_heads)])
 
     def nr_read(self) -> int:
-        """Tokens the NR-heads read, summed (counted, not listed: end_step asks every step)."""
-        n_window = len(self.window_tokens())
-        per_cluster = [len(s) + sum(t >= 0 for t in d) + n_window for s, d in zip(self.static, self.dynamic)]
+        """Tokens the NR-heads read at the last step, summed (counted, not listed: end_step asks
+        every step)."""
+        n_window = len(self.read_window)
+        per_cluster = [len(s) + sum(t >= 0 for t in d) + n_window for s, d in zip(self.static, self.read_dynamic)]
         return sum(per_cluster[c] for c in self.nr_cluster)
 
     def device_tokens(self) -> float:
@@ -238,7 +269,7 @@ class SyncKVLayer(LayerKV):
         return self.device_tokens() if self.offload or not self.nr_heads else float(self.length)
 
     def host_tokens(self) -> float:
-        n = self.length - len(self.window_tokens()) if self.offload else 0
+        n = max(self.T, self.start) if self.offload else 0  # the prompt, and generated tokens past the window
         return len(self.nr_heads) * n / self.cfg.n_kv_heads
 
     def allocated_device_tokens(self) -> float:
@@ -266,21 +297,24 @@ class SyncKV(Policy):
         super().__init__(backend=backend)
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise ValueError(f"window must be an int >= 1 (the new token is always read), got {window!r}")
-        if not isinstance(budget, int) or isinstance(budget, bool) or budget <= window:
-            raise ValueError(f"budget must be an int > window={window} (static + dynamic + window), got {budget!r}")
-        if not isinstance(rho, (int, float)) or isinstance(rho, bool) or not 0.0 <= rho <= 1.0:
-            raise ValueError(f"rho (the static ratio) must be in [0, 1], got {rho!r}")
-        if not isinstance(m, int) or isinstance(m, bool) or m < 1:
-            raise ValueError(f"m (the synchronization stride) must be an int >= 1, got {m!r}")
-        if not isinstance(n_r, int) or isinstance(n_r, bool) or n_r < 1:
-            raise ValueError(f"n_r (clusters per layer) must be an int >= 1, got {n_r!r}")
         for name, value in (("offload", offload), ("anticipation", anticipation)):
             if value not in (True, False):
                 raise ValueError(f"{name} must be true/false/on/off/yes/no/1/0, got {value!r}")
+        if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+            raise ValueError(f"m (the synchronization stride) must be an int >= 1, got {m!r}")
+        ring = window + m - 1 if anticipation else window  # the most tokens the window holds
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget <= ring:
+            slots = "window + m - 1" if anticipation else "window"
+            raise ValueError(f"budget must be an int > the recent window's slots ({slots} = {ring}): static + dynamic "
+                             f"+ window, got {budget!r}")
+        if not isinstance(rho, (int, float)) or isinstance(rho, bool) or not 0.0 <= rho <= 1.0:
+            raise ValueError(f"rho (the static ratio) must be in [0, 1], got {rho!r}")
+        if not isinstance(n_r, int) or isinstance(n_r, bool) or n_r < 1:
+            raise ValueError(f"n_r (clusters per layer) must be an int >= 1, got {n_r!r}")
         if clusters is not None and not isinstance(clusters, str):
             raise ValueError(f"clusters must be a path to a clustering file, got {clusters!r}")
-        self.budget, self.window, self.rho, self.m, self.n_r = budget, window, float(rho), m, n_r
-        k = budget - window
+        self.budget, self.window, self.ring, self.rho, self.m, self.n_r = budget, window, ring, float(rho), m, n_r
+        k = budget - ring
         self.k_dyn = math.floor((1.0 - self.rho) * k + 1e-9)  # Eq. 6: k_dyn = floor((1 - rho) k)
         self.k_static = k - self.k_dyn
         self.clusters, self.offload, self.anticipation = clusters, bool(offload), bool(anticipation)

@@ -2,10 +2,12 @@
 
     host bank   bank_k, bank_v (Hn, max_len, D) on the host tier (pinned when CUDA is present):
                 the "context bank" of Sec. 4.2, by token index. It receives the whole prompt at
-                prefill (Algorithm 1 line 12) and each generated token when it leaves the window.
+                prefill (Algorithm 1 line 12) and each generated token when it leaves the recent
+                window (`spill`).
     device      store_k, store_v (1, Hn, S, D): the slots attention reads. With offloading, S =
                 budget slots per head (SyncKVLayer decides what each slot holds: static, dynamic,
-                window ring); without ("w/o initialization"), S = max_len and slot = token index.
+                the recent window's ring); without ("w/o initialization"), S = max_len and slot =
+                token index.
 
 `fetch` is Eq. 7: one gather of the wanted rows on the host into a staging buffer, one copy to
 the device, one scatter into their slots. On CUDA it runs on a side stream after the current
@@ -53,15 +55,20 @@ class ContextBank:
         self.store_k[0, head, slots] = k
         self.store_v[0, head, slots] = v
 
-    def push(self, slot: int, k: torch.Tensor, v: torch.Tensor, spill: int | None = None) -> None:
-        """A new token's k, v (Hn, D) into `slot` of every head; if `spill` is a token index, the
-        slot's old token first goes to the bank at that index (it is leaving the window)."""
-        if spill is not None:
-            self.bank_k[:, spill].copy_(self.store_k[0, :, slot])
-            self.bank_v[:, spill].copy_(self.store_v[0, :, slot])
-            self._count_to_host(k)
+    def push(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A new token's k, v (Hn, D) into `slot` of every head."""
         self.store_k[0, :, slot] = k
         self.store_v[0, :, slot] = v
+
+    def spill(self, tokens: list[int], slots: list[int]) -> None:
+        """Tokens leaving the device (the recent window): each slot's row of every head to the
+        bank at its token index, so that a later anticipation can fetch it back."""
+        slots_t = torch.tensor(slots, device=self.store_k.device)
+        k = self.store_k[0].index_select(1, slots_t).to(self.bank_k.device)  # (Hn, n, D)
+        v = self.store_v[0].index_select(1, slots_t).to(self.bank_v.device)
+        self.bank_k[:, tokens] = k
+        self.bank_v[:, tokens] = v
+        self._count_to_host(k)
 
     def fetch(self, rows: list[tuple[int, int, int]]) -> None:
         """Eq. 7: for each (head, token, slot), the bank's row of that token into that slot."""

@@ -65,10 +65,11 @@ def oracle_attention(q1, keys, values, reads):
 
 @st.composite
 def synckv_cases(draw):
-    window = draw(st.integers(1, 6))
-    return dict(window=window, budget=window + draw(st.integers(1, 14)), rho=draw(st.sampled_from([0.0, 0.3, 0.5, 1.0])),
-                m=draw(st.integers(1, 4)), T=draw(st.integers(1, 30)), steps=draw(st.integers(1, 14)),
-                offload=draw(st.booleans()), anticipation=draw(st.booleans()), seed=draw(st.integers(0, 2**16)))
+    window, m, anticipation = draw(st.integers(1, 6)), draw(st.integers(1, 4)), draw(st.booleans())
+    ring = window + m - 1 if anticipation else window  # the window's slots: the budget is more
+    return dict(window=window, budget=ring + draw(st.integers(1, 14)), rho=draw(st.sampled_from([0.0, 0.3, 0.5, 1.0])),
+                m=m, T=draw(st.integers(1, 30)), steps=draw(st.integers(1, 14)),
+                offload=draw(st.booleans()), anticipation=anticipation, seed=draw(st.integers(0, 2**16)))
 
 
 def run_against_oracle(case, clusters, backend="eager"):
@@ -79,6 +80,9 @@ def run_against_oracle(case, clusters, backend="eager"):
     T, W = case["T"], case["window"]
     keys, values = [None] * TINY.n_layers, [None] * TINY.n_layers
     static = [None] * TINY.n_layers
+    # the recent window is [start, L): the last W tokens as of the next step, set at each selection
+    # point (the prefill, every anticipation; every step w/o anticipation), prompt tail included
+    start = [max(0, T + 1 - W)] * TINY.n_layers
     for step in range(case["steps"] + 1):
         n = T if step == 0 else 1
         for i, layer in enumerate(policy.layers):
@@ -89,17 +93,21 @@ def run_against_oracle(case, clusters, backend="eager"):
             values[i] = v if step == 0 else torch.cat((values[i], v), 2)
             if step == 0:
                 layer.prefill(q, k, v, None)
-                # Eqs. 3-4: I_0 = top-k of the R-head's attention from the last prompt token
-                chosen = expected_selection(q[:, :, -1], keys[i], layer, policy.k_static + policy.k_dyn, T,
+                # Eqs. 3-4: I_0 = top-k of the R-head's attention from the last prompt token,
+                # among the tokens before the window
+                chosen = expected_selection(q[:, :, -1], keys[i], layer, policy.k_static + policy.k_dyn, start[i],
                                             [[] for _ in layer.clusters])
                 assert [sorted(s + [t for t in d if t >= 0]) for s, d in zip(layer.static, layer.dynamic)] == chosen
                 static[i] = [list(s) for s in layer.static]
-                assert all(len(s) == min(policy.k_static, T) for s in static[i])
+                assert all(len(s) == min(policy.k_static, start[i]) for s in static[i])
+                if layer.nr_heads:
+                    check_device_and_host(layer, keys[i], values[i], T, start[i])
                 continue
             before = (policy.tiers.bytes_to_device, [list(d) for d in layer.dynamic], layer.anticipations)
             L = keys[i].shape[2]
             out = layer.decode(q, k, v, None)
-            window = list(range(max(T, L - W), L))
+            window = list(range(start[i], L))
+            assert len(window) >= min(W, L)  # the last W tokens are always read
             # what each KV head read: R-heads everything, NR-heads static + dynamic + window
             reads = layer.attended_indices()
             expect_reads = {h: list(range(L)) for h in layer.r_heads}
@@ -116,30 +124,32 @@ def run_against_oracle(case, clusters, backend="eager"):
             assert layer.static == static[i]  # the static set never changes...
             anticipating = case["anticipation"] and bool(layer.nr_heads) and step % case["m"] == 0
             assert layer.anticipations == before[2] + anticipating
+            if layer.nr_heads and (anticipating or not case["anticipation"]):  # a selection point
+                start[i] = max(start[i], L + 1 - W)
             if not anticipating:  # suspension (Eq. 8): nothing selected, nothing moved
                 assert [list(d) for d in layer.dynamic] == before[1]
                 assert policy.tiers.bytes_to_device == before[0]
-            else:  # anticipation (Eqs. 5-7): the R-head's top k_dyn among the bank's tokens
-                n_cand = L - len(window)
-                want = expected_selection(q[:, :, 0], keys[i], layer, policy.k_dyn, n_cand, static[i])
+            else:  # anticipation (Eqs. 5-7): the R-head's top k_dyn among the tokens before the window
+                want = expected_selection(q[:, :, 0], keys[i], layer, policy.k_dyn, start[i], static[i])
                 for c, members in enumerate(layer.clusters):
                     if len(members) > 1:
                         assert sorted(t for t in layer.dynamic[c] if t >= 0) == want[c]
-            check_device_and_host(layer, keys[i], values[i], T, W)
+            check_device_and_host(layer, keys[i], values[i], T, start[i])
         policy.end_step()
     return policy
 
 
-def check_device_and_host(layer, keys, values, T, W):
+def check_device_and_host(layer, keys, values, T, start):
     """...and stays on the device bit for bit, as do the dynamic and window slots; the host bank
     holds every token that left the device (all the prompt, generated tokens past the window)."""
     L = keys.shape[2]
+    assert list(layer.window_tokens()) == list(range(start, L))
     for j, (h, c) in enumerate(zip(layer.nr_heads, layer.nr_cluster)):
         for t in layer.read_tokens(c):
             s = layer.slot_of(t, c)
             assert torch.equal(layer.bank.store_k[0, j, s], keys[0, h, t]) and torch.equal(layer.bank.store_v[0, j, s], values[0, h, t])
         if layer.offload:
-            banked = max(T, L - W)
+            banked = max(T, start)
             assert torch.equal(layer.bank.bank_k[j, :banked], keys[0, h, :banked])
             assert torch.equal(layer.bank.bank_v[j, :banked], values[0, h, :banked])
     assert torch.equal(layer.kr[0, :, :L], keys[0, layer.r_heads])
@@ -163,10 +173,37 @@ def test_triton_backend_matches_oracle(case, tiny_clusters):
     run_against_oracle(case, tiny_clusters, backend="triton")
 
 
+def test_the_prompts_last_tokens_are_read_by_every_head_from_the_first_step(tiny_clusters):
+    """The recent window starts in the prompt: at the first decode step the NR-heads read the
+    prompt's last window - 1 tokens and the new one, from the device, besides I_0 (chosen among
+    the tokens before them); each NR-head's output equals dense attention over exactly those."""
+    policy = make(f"synckv:budget=24,window=8,m=4,clusters={tiny_clusters}").bind(TINY, device="cpu",
+                                                                                   dtype=torch.float32, max_len=64)
+    g = torch.Generator().manual_seed(1)
+    layer, T = policy.layers[0], 40  # one cluster {0, 1, 2} led by 1: NR-heads 0 and 2
+    q, k, v = (torch.randn(1, h, T, 16, generator=g) for h in (6, 3, 3))
+    layer.prefill(q, k, v, None)
+    q1, k1, v1 = (torch.randn(1, h, 1, 16, generator=g) for h in (6, 3, 3))
+    out = layer.decode(q1, k1, v1, None)
+    keys, values = torch.cat((k, k1), 2), torch.cat((v, v1), 2)
+    tail = list(range(T - 7, T + 1))
+    read = layer.attended_indices()
+    chosen = layer.static[0] + [t for t in layer.dynamic[0] if t >= 0]
+    assert len(chosen) == 24 - (8 + 4 - 1) and max(chosen) < T - 7  # I_0 = k tokens before the window
+    for h in layer.nr_heads:
+        assert sorted(t for t in read[h].tolist() if t >= 0) == sorted(chosen + tail)
+    expect = oracle_attention(q1[:, :, 0], keys, values, [sorted(chosen + tail) if h != 1 else list(range(T + 1))
+                                                          for h in range(3)])
+    torch.testing.assert_close(out[:, :, 0], expect)
+    assert layer.host_tokens() == 2 * T / 3  # the bank still holds the whole prompt
+
+
 def test_budget_covering_the_context_equals_full_kv_random_checkpoint(reference_dir, tmp_path):
-    """reference/models/llama_gqa3 (9 query heads, 3 KV heads): 40 prompt tokens, 20 decoded
-    (fewer than the window, so no generated token has left it): synckv with k >= 40 equals full KV,
-    through the host tier, with anticipations that fetch nothing new."""
+    """reference/models/llama_gqa3 (9 query heads, 3 KV heads): 40 prompt tokens, 20 decoded:
+    synckv with k = budget - (window + m - 1) = 46 >= every token before the window equals full
+    KV, through the host tier: the prompt's first 9 tokens come from I_0, its tail and the new
+    tokens from the window, and each token leaving the window is fetched back by the anticipation
+    that moves the window, before any step could miss it."""
     from minikv.loading import load_model
 
     model = load_model(reference_dir / "models" / "llama_gqa3", device="cpu", dtype=torch.float32)
@@ -183,14 +220,15 @@ def test_budget_covering_the_context_equals_full_kv_random_checkpoint(reference_
         logits[spec.split(":")[0]] = torch.stack(out)
         if spec != "full":
             s = policy.stats()
-            assert s["host_tokens"] > 0 and s["anticipation_steps"] == 20 // 3
+            assert s["host_tokens"] > 0 and s["anticipation_steps"] == 20 // 3 and s["tokens_fetched"] > 0
     torch.testing.assert_close(logits["synckv"], logits["full"], rtol=1e-5, atol=1e-5)
 
 
 def test_smollm2_full_budget_equals_full_and_small_budget_anticipates(smollm2):
     """SmolLM2 with the shipped clustering, ~330 prompt tokens, 6 steps: a budget covering the
-    context gives full KV's logits; budget 96 reads at most 96 tokens per NR-head, fetches at every
-    5th step and keeps Mem% = (1 + 2 * read / L) / 3 (one R-head of 3 KV heads at full length)."""
+    context gives full KV's logits; budget 96 reads at most 96 tokens per NR-head, the last 32
+    tokens among them (the recent window, prompt tail included), fetches at every 5th step and
+    keeps Mem% = (1 + 2 * read / L) / 3 (one R-head of 3 KV heads at full length)."""
     model, tok = smollm2
     ids = torch.tensor([tok.encode(ITEMS_PROMPT)])
     T = ids.shape[1]
@@ -205,7 +243,10 @@ def test_smollm2_full_budget_equals_full_and_small_budget_anticipates(smollm2):
             read = [len(layer.read_tokens(0)) for layer in policy.layers]
             assert max(read) <= 96
             expected = 100 * sum(1 + 2 * r / L for r in read) / 3 / len(read)
-            assert abs(s["mem_percent"] - expected) < 1e-9 and s["mem_percent"] < 50
+            assert abs(s["mem_percent"] - expected) < 1e-9 and s["mem_percent"] <= 100 * (1 + 2 * 96 / L) / 3
+            for layer in policy.layers:  # every NR-head read the last 32 tokens, the prompt's last 26 among them
+                rows = layer.attended_indices()
+                assert all(set(range(L - 32, L)) <= set(rows[h].tolist()) for h in layer.nr_heads)
     torch.testing.assert_close(logits["synckv:budget=544"], logits["full"], rtol=1e-4, atol=1e-4)
 
 
@@ -221,7 +262,8 @@ def test_every_head_an_r_head_is_full_kv(tmp_path):
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("synckv:budget=32", "budget must be an int > window"),
+    ("synckv:budget=36", r"budget must be an int > the recent window's slots \(window \+ m - 1 = 36\)"),
+    ("synckv:budget=32,anticipation=off", r"budget must be an int > the recent window's slots \(window = 32\)"),
     ("synckv:window=0", "window must be an int >= 1"),
     ("synckv:rho=1.5", "rho"),
     ("synckv:m=0", "synchronization stride"),
