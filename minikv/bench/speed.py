@@ -18,8 +18,9 @@ plus the KV its attention reads; bytes per step / TPOT is the achieved bandwidth
 the run the benchmark measures the machine's read bandwidth with the same thread count (a large
 tensor summed, median of 5), and reports the achieved bandwidth as a share of it.
 
---lockstep: one prefill forward for all policies (bench passkey's SharedPrefill: their prefill
-outputs must agree), then the policies decode in lockstep, step t of every policy before step
+--lockstep: one prefill forward for all policies whose prefill outputs agree with the first
+policy's (a policy whose prefill differs, such as streaming pruning inside a long prompt, gets a
+prefill forward of its own), then the policies decode in lockstep, step t of every policy before step
 t + 1 of any, each greedy on its own tokens. On a machine whose load changes during a run this
 keeps the TPOT ratios fair (every policy's step t runs within seconds of the others'), and it
 costs one long prefill instead of one per policy and repeat. TTFT is not per policy then ('-').
@@ -84,18 +85,69 @@ def baseline_policy(policies: list[str]) -> str:
     return next((p for p in policies if p.split(":")[0].strip() == "full"), policies[0])
 
 
-def lockstep_runs(model, ids: list[int], specs: list[str], new_tokens: int) -> dict[str, dict]:
-    """One shared prefill, then greedy decoding of every policy in lockstep -> {spec: stats}
-    with tpot_s the mean step time, token_ids the new_tokens tokens, and the policy's own stats."""
-    from .passkey import SharedPrefill
+class LockstepPrefill:
+    """One prefill forward shared by several bound policies, like bench passkey's SharedPrefill,
+    except that a policy whose prefill output differs from the first policy's (streaming, when
+    it prunes inside a long prompt and replays the prompt over what it keeps) is not an error:
+    it leaves the shared forward at that layer and is listed in `left`, to be prefilled on its own."""
 
-    policies = [make(s).bind(model.cfg, device=model.device, dtype=model.dtype, max_len=len(ids) + new_tokens)
-                for s in specs]
+    def __init__(self, policies: list, tags: list):
+        self.policies, self.tags = list(policies), list(tags)
+        self.left: list = []  # the tags of the policies that left
+        self.steps = 0
+        self.last_action = None
+
+    def layer(self, index: int):
+        return LockstepPrefill._Layer(self, index)
+
+    def rope_positions(self, positions):
+        # the first policy's (a policy rotating the prompt elsewhere differs, and leaves)
+        return self.policies[0].rope_positions(positions)
+
+    def end_step(self, logits=None):
+        for p in self.policies:
+            p.last_action = p.end_step(logits)
+        self.steps += 1
+
+    class _Layer:
+        def __init__(self, shared: "LockstepPrefill", index: int):
+            self.shared, self.index = shared, index
+
+        def prefill(self, q, k, v, positions):
+            sh = self.shared
+            outs = [p.layer(self.index).prefill(q, k, v, positions) for p in sh.policies]
+            agree = [j == 0 or torch.equal(out, outs[0]) for j, out in enumerate(outs)]
+            sh.left += [tag for tag, ok in zip(sh.tags, agree) if not ok]
+            sh.policies = [p for p, ok in zip(sh.policies, agree) if ok]
+            sh.tags = [tag for tag, ok in zip(sh.tags, agree) if ok]
+            return outs[0]
+
+
+def lockstep_prefill(model, ids: list[int], specs: list[str], new_tokens: int) -> tuple[list, list]:
+    """Bind every policy and prefill it -> (policies, first token of each): one forward for all
+    whose prefill agrees with the first's, one forward each for the others."""
+    def bind(spec):
+        return make(spec).bind(model.cfg, device=model.device, dtype=model.dtype, max_len=len(ids) + new_tokens)
+
     x = torch.tensor([ids], device=model.device)
-    logits = model(x, policy=SharedPrefill(policies, specs), logits_at=torch.tensor([len(ids) - 1], device=model.device))
-    token = [logits.argmax(-1)] * len(specs)
+    at = torch.tensor([len(ids) - 1], device=model.device)
+    policies = [bind(s) for s in specs]
+    shared = LockstepPrefill(policies, list(range(len(specs))))  # tagged by their index in specs
+    first = model(x, policy=shared, logits_at=at).argmax(-1)
+    token = [first] * len(specs)
+    for j in shared.left:
+        print(f"  {specs[j]}: its prefill differs from {specs[0]}'s, prefilled on its own", file=sys.stderr)
+        policies[j] = bind(specs[j])  # the shared forward left it half-filled
+        token[j] = model(x, policy=policies[j], logits_at=at).argmax(-1)
+    return policies, token
+
+
+def lockstep_runs(model, ids: list[int], specs: list[str], new_tokens: int) -> dict[str, dict]:
+    """Prefill (lockstep_prefill), then greedy decoding of every policy in lockstep -> {spec: stats}
+    with tpot_s the mean step time, token_ids the new_tokens tokens, and the policy's own stats."""
+    policies, token = lockstep_prefill(model, ids, specs, new_tokens)
     times = [[] for _ in specs]
-    produced = [[int(token[0])] for _ in specs]
+    produced = [[int(t)] for t in token]
     for step in range(new_tokens - 1):
         position = torch.tensor([len(ids) + step], device=model.device)
         for j, policy in enumerate(policies):

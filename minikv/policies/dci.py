@@ -41,11 +41,23 @@ root's pages become its pages unchanged (their members keep their page), and it 
 
 Query (Algorithms 3 and 4, page selection): from the top level down, the candidates of a level
 are the children of the `fov` best points expanded on the level above (all top-level points at
-the start); of each node's children only the closest `prop` fraction by projection |u.T_K(k) -
-u.T_Q(q)| is scored (DCI's candidate stop with m = 1, prop_to_retrieve = 0.8), exactly, by q.k.
-Every scored point is a candidate key. Pages are taken in the order of their best scored key, the
-first `k` distinct ones. Field of view max(30, 0.0015 n) as in the authors' code. With fov >= n
-and prop = 1 every point is scored: the search is exact.
+the start). Each node's children are scanned as the authors' M-DCI scans them with one simple
+index (m = 1): outward from the query's projection u.T_Q(q) in the order of |u.T_K(k) - u.T_Q(q)|,
+in batches of CLOSEST = 128 projections, until max(fov, ceil(prop size)) are scored (the
+candidate stop, prop_to_retrieve = 0.8, checked after each batch); a node the field of view
+covers (size <= fov) is scored whole. So nodes of up to 128 children are scored whole, and the
+tree prunes by the field of view: only the children of the fov best points of a level are
+looked at. (Where M-DCI picks a batch's side by the next projection, the window here is the m
+nearest projections; the count is M-DCI's.) Scoring is exact, by q.k, and every scored point is
+a candidate key. Pages are taken in the order of their best scored key, the first `k` distinct
+ones. Field of view max(30, 0.0015 n) as in the authors' code. With fov >= n every point is
+scored: the search is exact.
+
+Speed: the search runs per level on all KV heads and all queries of a block at once. The parts
+that do not depend on the query (the level's points grouped by node, each node's window size,
+its pair sums x_i + x_{i+m}, see node_windows) are kept per level until an insertion; per query
+and node, the window start is one searchsorted, and the block's candidates are the union of its
+queries' windows (a +1/-1 at each window's ends and a cumulative sum).
 """
 from __future__ import annotations
 
@@ -54,6 +66,7 @@ import torch
 from ..kernels.dci_scores import dci_scores
 from ..kernels.dci_scores.reference import stable_topk
 
+CLOSEST = 128  # projections a node's scan scores per step before it checks its stop (M-DCI's CLOSEST)
 FIRST_PROMOTION = 100  # a point in 100 reaches level 2 (the authors' ratio_1 = 0.01)
 NEXT_PROMOTION = 5  # a level-l point in 5 reaches level l + 1 (ratio_2 = 0.2)
 
@@ -66,6 +79,18 @@ def level_of(t: int, first: int = FIRST_PROMOTION, nxt: int = NEXT_PROMOTION) ->
     level, n = 2, n // first
     while n % nxt == 0:
         level, n = level + 1, n // nxt
+    return level
+
+
+def levels_of(t: torch.Tensor, first: int = FIRST_PROMOTION, nxt: int = NEXT_PROMOTION) -> torch.Tensor:
+    """level_of for a tensor of point indices t (int64) at once."""
+    n = t + 1
+    level = torch.ones_like(n)
+    up = n % first == 0
+    n = n // first
+    while bool(up.any()):  # one pass per level: at most log_nxt(n / first) + 1 of them
+        level += up
+        n, up = n // nxt, up & (n % nxt == 0)
     return level
 
 
@@ -204,10 +229,14 @@ class DCIForest:
         if n == 0:
             return
         self._store(keys)
-        for t in range(n):
-            self._add_to_level(t, level_of(t, self.first, self.nxt))
+        levels = levels_of(torch.arange(n), self.first, self.nxt)
+        self.level[:n] = levels
+        self.top = int(levels.max())
+        for level in range(1, self.top + 1):
+            ids = (levels == level).nonzero()[:, 0]
+            self.pos_in_level[ids] = torch.arange(ids.numel())
+            self.level_lists[level] = ids.tolist()
         self.n = n
-        self.top = max(self.level_lists)
         for level in range(1, self.top):  # each point's parent: its nearest point one level up
             ids, up = self.level_ids(level), self.level_ids(level + 1)
             for a in range(0, len(ids), 4096):  # bounded temporaries: (H, 4096, n_{l+1})
@@ -290,11 +319,14 @@ class DCIForest:
         return page
 
     # -- query (Algorithms 3 and 4) ----------------------------------------------------------------
-    def _layout(self, level: int):
-        """The level's points per head grouped by parent, in projection order within a node:
-        order, parent, group start and group size (H, n_l) each, and projections x (H, n_l).
-        Rebuilt lazily after an insertion or a growth of c (both change projections or nodes)."""
-        lay = self._layouts.get(level)
+    def _layout(self, level: int, prop: float, fov: int, batch: int) -> tuple:
+        """The level's points per head grouped by node (parent), in projection order within one,
+        and what the search needs of them that does not depend on the query: order, node_of
+        (H, n_l) tree id and node index per position; per node (H, N, padded with empty nodes
+        at n_l): start, up (its parent's position on the level above) and the node_windows of
+        the closest-`prop` rule. Rebuilt lazily after an insertion or a growth of c (both change
+        projections or nodes)."""
+        lay = self._layouts.get((level, prop, fov, batch))
         if lay is None:
             ids = self.level_ids(level)
             n_l = ids.numel()
@@ -306,15 +338,19 @@ class DCIForest:
             par = par.gather(1, by_node)
             starts = torch.ones(self.H, n_l, dtype=torch.bool)
             starts[:, 1:] = par[:, 1:] != par[:, :-1]
-            ar = torch.arange(n_l).expand(self.H, n_l)
-            start = torch.where(starts, ar, 0).cummax(1).values
-            ends = torch.ones(self.H, n_l, dtype=torch.bool)
-            ends[:, :-1] = starts[:, 1:]
-            end = torch.where(ends, ar, n_l).flip(1).cummin(1).values.flip(1)
-            lay = self._layouts[level] = (order, par, start, end - start + 1, self.proj.gather(1, order))
+            node_of = starts.cumsum(1) - 1  # (H, n_l)
+            N = int(node_of[:, -1].max()) + 1
+            start = torch.full((self.H, N + 1), n_l)  # the last column collects nothing real
+            start.scatter_(1, torch.where(starts, node_of, N), torch.arange(n_l).expand(self.H, n_l))
+            start = start[:, :N]
+            size = torch.zeros(self.H, N, dtype=torch.int64).scatter_add_(1, node_of, torch.ones_like(node_of))
+            up = torch.zeros(self.H, N, dtype=torch.int64)  # the parents' positions one level up
+            up.scatter_(1, node_of, self.pos_in_level[par.clamp_min(0)])
+            pair_key, m = node_windows(self.proj.gather(1, order), node_of, start, size, prop, fov, batch)
+            lay = self._layouts[(level, prop, fov, batch)] = (order, node_of, pair_key, start, up, m)
         return lay
 
-    def candidates(self, q: torch.Tensor, heads: torch.Tensor, fov: int, prop: float):
+    def candidates(self, q: torch.Tensor, heads: torch.Tensor, fov: int, prop: float, batch: int = CLOSEST):
         """Algorithm 4 with Flag = True: score the keys the tree search visits. q (B, G, D) blocks
         of G queries searching the tree of KV head heads[b] (B,) -> per level, from the top,
         concatenated: ids (B, C) tree ids (-1 pad) and scores (B, G, C) float32, q.k where query g
@@ -326,41 +362,51 @@ class DCIForest:
         twice_pq = 2 * self.query_projection(qf.reshape(R, D)).view(B, G, 1)  # 2 u.T_Q(q)
         same_heads = B == self.H and torch.equal(heads, torch.arange(self.H))  # the policy's case
         ids_out, scores_out = [], []
-        expanded = None  # (R, n_{l+1} + 1) bool: the fov best points of the level above, by position
+        expanded = None  # (B, G, n_{l+1} + 1) bool: the fov best points of the level above, by position
         for level in range(self.top, 0, -1):
-            layout = self._layout(level)
+            layout = self._layout(level, prop, fov, batch)
             if not same_heads:
                 layout = tuple(t.index_select(0, heads) for t in layout)
-            order, par, start, size, x = layout  # (B, n_l) each
-            n_l = order.shape[1]
-            keep = closest_per_node(x, twice_pq, start, size, prop, torch.arange(n_l))  # (B, G, n_l)
-            if expanded is not None:  # only the children of the nodes this query expanded
-                up = self.pos_in_level[par.clamp_min(0)]  # (B, n_l) position of each point's parent
-                keep &= expanded.view(B, G, -1).gather(2, up[:, None].expand(B, G, n_l))
-            union = keep.any(1)  # (B, n_l)
+            order, node_of, pair_key, start, up, m = layout  # (B, n_l) x 3, (B, N) x 3
+            n_l, N = order.shape[1], start.shape[1]
+            # each query's window in each node: the m children its scan scores (visited_per_node),
+            # nearest in projection, counted only where the query expanded the node's parent
+            lo = window_starts(pair_key, twice_pq, N)  # (B, G, N)
+            hi = lo + m[:, None]
+            opened = torch.ones(B, G, N, dtype=torch.bool) if expanded is None else \
+                expanded.gather(2, up[:, None].expand(B, G, N))
+            # the block's candidates: the union of its queries' windows, as +1/-1 at their ends
+            ends = torch.zeros(B, n_l + 1, dtype=torch.int64)
+            ends.scatter_add_(1, lo.view(B, -1), opened.view(B, -1).long())
+            ends.scatter_add_(1, hi.view(B, -1), -opened.view(B, -1).long())
+            union = ends[:, :n_l].cumsum(1) > 0  # (B, n_l)
             dest = union.cumsum(1) - 1
             C = int(dest[:, -1].max()) + 1
             if C == 0:
                 break
-            at = torch.full((B, C + 1), n_l, dtype=torch.int64)  # layout positions of the union, n_l pad
+            at = torch.full((B, C + 1), n_l - 1, dtype=torch.int64)  # layout positions of the union
             at.scatter_(1, torch.where(union, dest, C), torch.arange(n_l).expand(B, n_l))
             at = at[:, :C]
-            cand = torch.where(at < n_l, order.gather(1, at.clamp_max(n_l - 1)), -1)  # tree ids
-            mask = keep.gather(2, at.clamp_max(n_l - 1)[:, None].expand(B, G, C))
-            scores, best = dci_scores(qf, self.keys, heads, cand, mask, min(fov, C), backend=self.backend)
+            cand = torch.where(torch.arange(C) <= dest[:, -1:], order.gather(1, at), -1)  # tree ids
+            node = node_of.gather(1, at)[:, None].expand(B, G, C)  # which query scores which candidate
+            mask = opened.gather(2, node) & (lo.gather(2, node) <= at[:, None]) & (at[:, None] < hi.gather(2, node))
+            # the fov best of a level are expanded on the next; level 1's are only scored
+            scores, best = dci_scores(qf, self.keys, heads, cand, mask, min(fov, C) if level > 1 else 0,
+                                      backend=self.backend)
             ids_out.append(cand)
             scores_out.append(scores)
-            self.scored += int(keep.sum())
-            if level > 1:  # the fov best of this level are expanded on the next
-                chosen = cand.gather(1, best.view(B, -1).clamp_min(0)).view(R, -1)
-                where = torch.where(best.view(R, -1) >= 0, self.pos_in_level[chosen.clamp_min(0)], n_l)
-                expanded = torch.zeros(R, n_l + 1, dtype=torch.bool).scatter_(1, where, True)
+            self.scored += int((opened * m[:, None]).sum())
+            if level > 1:
+                chosen = cand.gather(1, best.view(B, -1).clamp_min(0)).view(B, G, -1)
+                where = torch.where(best >= 0, self.pos_in_level[chosen.clamp_min(0)], n_l)
+                expanded = torch.zeros(B, G, n_l + 1, dtype=torch.bool).scatter_(2, where, True)
         self.searched += R * self.n
         return torch.cat(ids_out, dim=1), torch.cat(scores_out, dim=2)
 
-    def top_keys(self, q: torch.Tensor, heads: torch.Tensor, k: int, fov: int | None = None, prop: float = 0.8):
+    def top_keys(self, q: torch.Tensor, heads: torch.Tensor, k: int, fov: int | None = None, prop: float = 0.8,
+                 batch: int = CLOSEST):
         """The k keys of largest q.k the search finds: q (B, G, D) -> tree ids (B, G, k), -1 pad."""
-        ids, scores = self.candidates(q, heads, field_of_view(self.n) if fov is None else fov, prop)
+        ids, scores = self.candidates(q, heads, field_of_view(self.n) if fov is None else fov, prop, batch)
         B, G, C = scores.shape
         if C < k:
             ids = torch.cat((ids, ids.new_full((B, k - C), -1)), 1)
@@ -369,14 +415,15 @@ class DCIForest:
         found = ids[:, None].expand(B, G, -1).gather(2, best)
         return torch.where(scores.gather(2, best) > float("-inf"), found, -1)
 
-    def select_pages(self, q: torch.Tensor, heads: torch.Tensor, k: int, fov: int | None = None, prop: float = 0.8):
+    def select_pages(self, q: torch.Tensor, heads: torch.Tensor, k: int, fov: int | None = None, prop: float = 0.8,
+                     batch: int = CLOSEST):
         """Algorithm 3: per query, the first k distinct pages in order of their best scored key,
         i.e. the k pages of largest max q.k over the keys it scored (ties to the lower page).
         q (B, G, D), heads (B,) -> pages (B, G, k) of the block's head, -1 pad."""
         B, G, _ = q.shape
         if self.n == 0:
             return torch.full((B, G, k), -1, dtype=torch.int64)
-        ids, scores = self.candidates(q, heads, field_of_view(self.n) if fov is None else fov, prop)
+        ids, scores = self.candidates(q, heads, field_of_view(self.n) if fov is None else fov, prop, batch)
         pages = torch.where(ids >= 0, self.page_of.index_select(0, heads).gather(1, ids.clamp_min(0)), self.max_pages)
         best = torch.full((B, G, self.max_pages + 1), float("-inf"))
         best.scatter_reduce_(2, pages[:, None].expand(B, G, -1), scores, "amax")
@@ -420,3 +467,47 @@ def closest_per_node(x: torch.Tensor, twice_pq: torch.Tensor, start: torch.Tenso
     a = cs.gather(2, last) - torch.where(start > 0, 1, 0)[:, None] * before  # window start of each point's node
     i = i[:, None]
     return (i >= a) & (i < a + m[:, None])
+
+
+def float_order(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> int64 in [0, 2**32) with the same order (the float's bits, negatives flipped)."""
+    bits = (x.float() + 0.0).contiguous().view(torch.int32).long()  # + 0.0: -0.0 becomes 0.0
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) + 2**31
+
+
+def visited_per_node(size: torch.Tensor, prop: float, fov: int = 0, batch: int = 1) -> torch.Tensor:
+    """How many of a node's `size` children a query scores, as the authors' M-DCI query does
+    with one simple index: all of them when the field of view covers the node (fov >= size);
+    otherwise the nearest projections are taken in batches of `batch` (M-DCI's CLOSEST = 128)
+    until at least max(fov, ceil(prop size)) are scored (the candidate stop, checked after each
+    batch). batch = 1, fov = 0: exactly ceil(prop size), closest_per_node's rule."""
+    want = torch.ceil(size * prop - 1e-9).long().clamp_min(fov)
+    m = ((want + batch - 1) // batch) * batch
+    return torch.where(size <= fov, size, m.minimum(size))
+
+
+def node_windows(x: torch.Tensor, node_of: torch.Tensor, start: torch.Tensor, size: torch.Tensor,
+                 prop: float, fov: int = 0, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """closest_per_node's rule, per node instead of per point, in the part that does not depend
+    on the query: x, node_of (H, n_l) projections grouped by node (ascending within one) and each
+    point's node index; start, size (H, N) per node -> (pair_key (H, n_l) int64 sorted per row,
+    m (H, N) the children each query scores, visited_per_node). A query's window in node j is then [lo, lo + m_j) with lo = searchsorted(pair_key,
+    j 2^32 + order(2 pq)): the m nearest of a sorted run x_0 <= ... <= x_{s-1} start at
+    a = #{i < s - m : x_i + x_{i+m} < 2 pq} (the pair sums grow with i), and the node index in
+    the high bits keeps each node's pair sums apart (i >= s - m get the node's largest key)."""
+    H, n_l = x.shape
+    m = visited_per_node(size, prop, fov, batch)  # (H, N)
+    m_of = m.gather(1, node_of)  # (H, n_l) each point's node's m
+    ar = torch.arange(n_l).expand(H, n_l)
+    i = ar - start.gather(1, node_of)  # position within the node
+    pair = x + x.gather(1, (ar + m_of).clamp_max(n_l - 1))  # x_i + x_{i+m}
+    low = torch.where(i < size.gather(1, node_of) - m_of, float_order(pair), 2**32 - 1)
+    return node_of * 2**32 + low, m
+
+
+def window_starts(pair_key: torch.Tensor, twice_pq: torch.Tensor, n_nodes: int) -> torch.Tensor:
+    """pair_key (B, n_l) from node_windows, twice_pq (B, G, 1) -> lo (B, G, N): the first layout
+    position of each query's window in each node."""
+    B, G = twice_pq.shape[:2]
+    value = torch.arange(n_nodes) * 2**32 + float_order(twice_pq)  # (B, G, N)
+    return torch.searchsorted(pair_key, value.view(B, G * n_nodes)).view(B, G, n_nodes)

@@ -34,6 +34,10 @@ Decisions where the paper is silent (the authors' code where it speaks, DESIGN.m
     KV in pages of the anchor's tree (the same tokens grouped the same way) and read the pages
     the anchor selected in the same step.
   * The query is the current step's q: no speculation (the authors' default, n_prefetch = 0).
+  * The tree search scans a node's children as the authors' M-DCI does (dci.py: batches of 128
+    projections, a node the field of view covers scored whole; `batch`). Scoring only the
+    closest 80% of every node (batch = 1) drops a fifth of each upper level's subtrees: it
+    missed the passkey's page at 4,000 tokens where the authors' scan finds it.
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ import time
 import torch
 
 from .base import LayerKV, Policy, dense_attention, register
-from .dci import DCIForest, first_k_distinct, random_direction
+from .dci import CLOSEST, DCIForest, first_k_distinct, random_direction
 from .full import FullLayer
 from .paged import PagedKV, PagedLayer, Staging, check_page_geometry
 
@@ -150,7 +154,8 @@ class IceCacheLayer(PagedLayer):
             return out
         # each query head searches its KV head's tree: blocks of the G query heads of a group
         # (the tree lives on the host: the query goes there, as in the authors' code)
-        pages = f.select_pages(q[0].view(f.H, self.G, -1).cpu(), self.kv_heads, K, pol.fov, pol.prop)  # (Hkv, G, K)
+        pages = f.select_pages(q[0].view(f.H, self.G, -1).cpu(), self.kv_heads, K, pol.fov, pol.prop,
+                               pol.batch)  # (Hkv, G, K)
         # GQA: the group's lists interleaved round-robin, the first K distinct kept
         rounds = pages.transpose(1, 2).reshape(f.H, K * self.G)
         return first_k_distinct(rounds, K, f.max_pages)
@@ -223,7 +228,7 @@ class IceCache(Policy):
 
     def __init__(self, *, page_size: int = 16, budget: int = 256, sink: int = 32, window: int = 32,
                  skip_layers: int = 2, reuse_every: int = 1, fov: int | None = None, prop: float = 0.8,
-                 seed: int = 0, backend: str = "eager"):
+                 batch: int = CLOSEST, seed: int = 0, backend: str = "eager"):
         super().__init__(backend=backend)
         check_page_geometry(page_size, budget, sink, window)
         if budget < sink + window + page_size:
@@ -237,9 +242,12 @@ class IceCache(Policy):
             raise ValueError(f"fov must be a positive int, or none for max(30, 0.0015 n), got {fov!r}")
         if not isinstance(prop, (int, float)) or not 0 < prop <= 1:
             raise ValueError(f"prop (share of a node's children scored) must be in (0, 1], got {prop!r}")
+        if not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch (projections a node's scan scores per step) must be an int >= 1, got {batch!r}")
         self.page_size, self.budget, self.sink, self.window = page_size, budget, sink, window
         self.n_select = (budget - sink - window) // page_size
         self.skip_layers, self.reuse_every, self.fov, self.prop = skip_layers, reuse_every, fov, float(prop)
+        self.batch = batch
         self.seed = seed
         # the tree and its keys live on the host tier; Triton reaches host memory only when there
         # is no GPU (interpreter), so with CUDA the host-side operations run eager

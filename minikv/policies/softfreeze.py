@@ -20,20 +20,14 @@ before any attention skipped it. Here a token frozen at step t with duration d i
 attentions of steps t+1 .. t+d and restored at the end of step t+d; we store that as thaw_at = t+d
 instead of a countdown, which is the same schedule without touching every timer every step.
 
-Data layout, one sequence (max_batch = 1), per layer:
-    kv        (2, Hkv, cap, D)  device: keys (kv[0]) and values (kv[1]) of the *active* tokens,
-                                contiguous in slots [0, n_act), any order (attention is
-                                order-free); cap grows by doubling. k, v are its (1, Hkv, cap, D)
-                                views. One buffer, so every move of K and V is one op, not two.
-    slot_tok  (cap,)            device: the token index (= position) held by each active slot
-    slot_count (cap,)           device: c_j of the token in each active slot (slot_tok and
-                                slot_count are the two rows of one (2, cap) tensor, `slots`, so
-                                that moving a slot's bookkeeping is one op)
-    kv_host   (2, Hkv, max_len, D)  host: frozen tokens, addressed by token index (views k_host,
-                                v_host (Hkv, max_len, D))
-    count, thaw_at, frozen_at (max_len,)  device: per-token state of frozen tokens
-Per step and layer, when nothing freezes or thaws, the schedule is a handful of vector ops and
-one nonzero(); a restore check runs only from the earliest thaw step on (next_thaw).
+Where the state lives (softfreeze_schedule.py): the K/V and bookkeeping of all layers, stacked
+with a leading layer axis (FreezeTiers). Each layer's attention reads its active slots and records
+its s_j; after the last layer, end_step runs lines 3-15 of Algorithm 1 for all layers at once
+(schedule_all: one comparison over a (layers, slots) tensor, the moves as a few row gathers over
+the stacked buffers), which decides and moves exactly what running it layer by layer would
+(schedule_layer, the per-layer reference it is tested against). Deferring a layer's step to the
+end of the forward changes nothing: its result is first read by the same layer's next attention.
+Both tiers are token-major, (tokens, 2, Hkv, D) per layer, so a move is one contiguous row.
 Freezing swap-removes slots (the last active slots fill the holes: O(frozen), not O(active));
 restoring appends. No Python loop runs over tokens.
 
@@ -100,67 +94,71 @@ import torch
 
 from ..kernels.attention_relevance import attention_relevance
 from .base import LayerKV, Policy, StepAction, dense_attention, register
+from .softfreeze_schedule import NOT_FROZEN, FreezeTiers
 
-NOT_FROZEN = torch.iinfo(torch.int64).max  # thaw_at of a token that is not frozen
+def _stacked(name: str, doc: str):
+    """A per-layer view of one of the stacked FreezeTiers tensors (index 0 = the layer axis)."""
+    return property(lambda self: getattr(self.state, name)[self.index], doc=doc)
+
+
+def _counter(name: str):
+    """A per-layer int kept in a list of FreezeTiers."""
+    def set_(self, value):
+        getattr(self.state, name)[self.index] = value
+    return property(lambda self: getattr(self.state, name)[self.index], set_)
 
 
 class SoftFreezeLayer(LayerKV):
+    """One layer's view of the policy's stacked tiers (softfreeze_schedule.FreezeTiers)."""
+
     def __init__(self, policy: "SoftFreeze", index: int):
         super().__init__(policy, index)
-        cfg, dev, N = policy.cfg, policy.tiers.device, policy.max_len
-        self.Hkv, self.D = cfg.n_kv_heads, cfg.head_dim
-        self.cap = 0
-        self.n_act = 0  # active tokens: slots [0, n_act) of k, v
-        self.n_tok = 0  # tokens seen: token indices [0, n_tok), active or frozen
-        self.n_frozen = 0
-        self.next_thaw = NOT_FROZEN  # earliest thaw_at of a frozen token: no restore check before it
-        self.freezes = self.thaws = 0  # tokens moved by Algorithm 1 (recovery counted by the policy)
-        self.kv = self.slots = self.slot_tok = self.slot_count = None
-        self.kv_host = torch.empty((2, self.Hkv, N, self.D), dtype=policy.dtype, pin_memory=policy.tiers.pin)
-        # c_j lives beside the active slot (slot_count), so the per-step update is one add; a
-        # frozen token's count waits in count by token index and comes back with it
-        self.count = torch.zeros(N, dtype=torch.int64, device=dev)
-        self.thaw_at = torch.full((N,), NOT_FROZEN, dtype=torch.int64, device=dev)
-        self.frozen_at = torch.full((N,), -1, dtype=torch.int64, device=dev)  # step of the last freeze
-        W = policy.history
-        # with a history window W: the steps of each token's last W detections (a ring indexed by
-        # the running count), so that c_j counts only those within W steps; -W - 1 marks empty
-        self.seen = torch.full((N, W), -W - 1, dtype=torch.int64, device=dev) if W else None
-        self.lengths = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.lengths = torch.zeros(1, dtype=torch.int64, device=policy.tiers.device)
+
+    state = property(lambda self: self.policy.state)  # the FreezeTiers of all layers
+    n_act = _counter("n_act")  # active tokens: slots [0, n_act) of k, v
+    n_tok = _counter("n_tok")  # tokens seen: token indices [0, n_tok), active or frozen
+    n_frozen = _counter("n_frozen")
+    freezes = _counter("freezes")
+    thaws = _counter("thaws")
+    kv = _stacked("kv", "(cap, 2, Hkv, D) the active tokens' K and V, token-major")
+    kv_host = _stacked("kv_host", "(max_len, 2, Hkv, D) frozen tokens by token index")
+    count = _stacked("count", "(max_len,) c_j of frozen tokens (with W: detections so far)")
+    thaw_at = _stacked("thaw_at", "(max_len,) the step at whose end a frozen token comes back")
+    frozen_at = _stacked("frozen_at", "(max_len,) the step of each token's last freeze")
+    seen = property(lambda self: None if self.state.seen is None else self.state.seen[self.index])
+    slots = property(lambda self: self.state.slots[:, self.index])  # (2, cap): slot_tok, slot_count
+    slot_tok = property(lambda self: self.state.slots[0, self.index])  # (cap,) token of each active slot
+    slot_count = property(lambda self: self.state.slots[1, self.index])  # (cap,) its c_j
+    cap = property(lambda self: self.state.cap)
+    # views as attention takes them, (1, Hkv, cap, D), and of the host tier, (Hkv, max_len, D)
+    k = property(lambda self: self.kv[:, 0].transpose(0, 1)[None])
+    v = property(lambda self: self.kv[:, 1].transpose(0, 1)[None])
+    k_host = property(lambda self: self.kv_host[:, 0].transpose(0, 1))
+    v_host = property(lambda self: self.kv_host[:, 1].transpose(0, 1))
 
     # -- the contract ----------------------------------------------------------------------
     def prefill(self, q, k, v, positions):
         # q (1, Hq, T, D); k, v (1, Hkv, T, D)
         T = k.shape[2]
-        self._reserve(T + 64)
-        self.kv[0, :, :T] = k[0]
-        self.kv[1, :, :T] = v[0]
-        self.slot_tok[:T] = torch.arange(T, device=k.device)
-        self.slot_count[:T] = 0
-        self.n_act = self.n_tok = T
+        self.state.fill(self.index, k[0], v[0])
         out = dense_attention(q, k, v)
-        # the prefill forward generates the first token: Algorithm 1 runs on it with the last
-        # prompt position's query (the attention output of this call is not needed)
+        # the prefill forward generates the first token: Algorithm 1 runs on it (at end_step)
+        # with the last prompt position's query (the attention output of this call is not needed)
         _, s = attention_relevance(q[:, :, -1], self.k, self.v, self._lengths(), backend=self.policy.backend)
-        self.schedule(s[0, :T], self.policy.steps)
+        self.policy.scores[self.index] = s[0, :T]
         return out
 
     def decode(self, q, k, v, positions):
         # q (1, Hq, 1, D); k, v (1, Hkv, 1, D); the token's position is n_tok
-        self._reserve(self.n_act + 1)
-        a = self.n_act
-        self.kv[0, :, a] = k[0, :, 0]
-        self.kv[1, :, a] = v[0, :, 0]
-        self.slot_tok[a] = self.n_tok
-        self.slot_count[a] = 0
-        self.n_act += 1
-        self.n_tok += 1
+        self.state.append(self.index, k[0, :, 0], v[0, :, 0])
         # Algorithm 1 line 1 (attention over the active cache A) and line 2 (s_j, Eq. 2), one pass
-        # read only the active slots: the buffer's capacity past them (it grows by doubling) is empty
+        # read only the active slots: the buffer's capacity past them is empty. Lines 3-15 run
+        # for all layers at once in end_step, on the scores kept here
         a = self.n_act
         out, s = attention_relevance(q[:, :, 0], self.k[:, :, :a], self.v[:, :, :a], self._lengths(),
                                      backend=self.policy.backend)
-        self.schedule(s[0], self.policy.steps)
+        self.policy.scores[self.index] = s[0]
         return out[:, :, None]
 
     def device_tokens(self) -> int:
@@ -173,114 +171,13 @@ class SoftFreezeLayer(LayerKV):
         return self.cap
 
     def allocated_host_tokens(self) -> int:
-        return self.kv_host.shape[2]  # preallocated for max_len tokens: a frozen token never waits
+        return self.kv_host.shape[0]  # preallocated for max_len tokens: a frozen token never waits
 
     def aux_bytes(self) -> tuple[int, int]:
-        # per-token bookkeeping on the device: counts, timers, freeze steps, history ring, slot maps
-        parts = [self.count, self.thaw_at, self.frozen_at, self.seen, self.slot_tok, self.slot_count]
+        # per-token bookkeeping on the device: counts, timers, freeze steps, history ring, slot
+        # maps, host-copy flags
+        parts = [self.count, self.thaw_at, self.frozen_at, self.seen, self.slots, self.state.on_host[self.index]]
         return sum(t.numel() * t.element_size() for t in parts if t is not None), 0
-
-    # -- Algorithm 1 -----------------------------------------------------------------------
-    def schedule(self, s: torch.Tensor, now: int) -> None:
-        """Lines 3-15 of Algorithm 1 at step `now`, given s (n_act,) over the active slots."""
-        p = self.policy
-        n = self.n_act
-        if p.relevance_log is not None:
-            p.relevance_log.append(s.detach().float().cpu())
-        tau = p.tau * s.mean() if p.score == "relative" else p.tau  # relative: s_j / mean(s) < tau
-        # line 3: outside the sliding window of the last K tokens, below tau
-        low = (s < tau) & (self.slot_tok[:n] < self.n_tok - p.window)  # (n,)
-        if p.history is None:
-            c = self.slot_count[:n]
-            c += low  # line 4, all slots at once
-            # line 6: d_j > 0 exactly when c_j >= c_min (= ceil(k^2)), so d is only computed for those
-            slots = (low & (c >= p.c_min)).nonzero()[:, 0]  # (f,)
-            c = c[slots]
-        else:
-            slots = low.nonzero()[:, 0]
-            c = self._detect(self.slot_tok[slots], now)  # line 4 within the last W steps
-            slots, c = slots[c >= p.c_min], c[c >= p.c_min]
-        if len(slots):
-            tok, counts = self.slots[:, slots]  # (f,) token indices and their c_j
-            d = p.duration[c]  # line 5, Eq. 3 (tabulated)
-            # a token frozen now thaws at the end of step now + d: lines 10-15 skip it this step
-            self.thaw_at[tok] = now + d
-            self.frozen_at[tok] = now
-            if p.history is None:
-                self.count[tok] = counts  # (with W, count is the ring pointer)
-            self.next_thaw = min(self.next_thaw, now + int(d.min()))
-            self.freezes += len(tok)
-            self._freeze(slots, tok)  # line 7
-        if now >= self.next_thaw:
-            # lines 10-14: the frozen tokens whose timer has run out at step now
-            due = (self.thaw_at[: self.n_tok] <= now).nonzero()[:, 0]  # (r,) token indices
-            self.thaws += len(due)
-            self._restore(due)  # line 13
-
-    def _detect(self, tok: torch.Tensor, now: int) -> torch.Tensor:
-        """With a history window W: record a detection of tokens `tok` at step `now` and return
-        their c_j, the detections within the last W steps."""
-        W = self.policy.history
-        self.seen[tok, self.count[tok] % W] = now  # count: detections so far, the ring's pointer
-        self.count[tok] += 1  # token indices are unique, so += through an index is exact
-        return (self.seen[tok] > now - W).sum(dim=1)
-
-    # -- moving K/V between the tiers --------------------------------------------------------
-    def _remove_slots(self, slots: torch.Tensor) -> None:
-        """Drop active slots `slots`, closing the holes with the last active slots (O(removed))."""
-        n, m = self.n_act, self.n_act - len(slots)
-        keep = torch.ones(n, dtype=torch.bool, device=slots.device)
-        keep[slots] = False
-        holes = slots[slots < m]  # removed slots inside the new length...
-        fill = keep[m:].nonzero()[:, 0] + m  # ...and as many kept slots past it
-        self.kv[:, :, holes] = self.kv[:, :, fill]
-        self.slots[:, holes] = self.slots[:, fill]
-        self.n_act = m
-
-    def _freeze(self, slots: torch.Tensor, tok: torch.Tensor) -> None:
-        """Move active slots `slots` (holding tokens `tok`) to the host tier."""
-        tiers, host_tok = self.policy.tiers, tok.cpu()
-        self.kv_host[:, :, host_tok] = tiers.to_host(self.kv[:, :, slots], fresh=True)  # (2, Hkv, f, D)
-        self._remove_slots(slots)
-        self.n_frozen += len(tok)
-
-    def _restore(self, tok: torch.Tensor) -> int:
-        """Bring frozen tokens `tok` back from the host tier, appended after the active slots."""
-        r = len(tok)
-        if r:
-            tiers, host_tok = self.policy.tiers, tok.cpu()
-            self._reserve(self.n_act + r)
-            a, b = self.n_act, self.n_act + r
-            self.kv[:, :, a:b] = tiers.to_device(self.kv_host[:, :, host_tok], fresh=True)  # (2, Hkv, r, D)
-            self.slot_tok[a:b] = tok
-            if self.policy.history is None:
-                self.slot_count[a:b] = self.count[tok]
-            self.thaw_at[tok] = NOT_FROZEN
-            self.n_act = b
-            self.n_frozen -= r
-        frozen = self.thaw_at[: self.n_tok]
-        self.next_thaw = int(frozen.min()) if self.n_frozen else NOT_FROZEN
-        return r
-
-    def _reserve(self, n: int) -> None:
-        if n <= self.cap:
-            return
-        cap = min(self.policy.max_len, max(n, 2 * self.cap))
-        kv = torch.empty((2, self.Hkv, cap, self.D), dtype=self.policy.dtype, device=self.policy.tiers.device)
-        slots = torch.empty((2, cap), dtype=torch.int64, device=kv.device)
-        if self.cap:
-            a = self.n_act
-            kv[:, :, :a] = self.kv[:, :, :a]
-            slots[:, :a] = self.slots[:, :a]
-        self.kv, self.slots, self.cap = kv, slots, cap
-        self.slot_tok, self.slot_count = slots  # the rows, as views
-
-    # views of the two buffers: (1, Hkv, cap, D) as attention takes them, (Hkv, max_len, D) on the host
-    k = property(lambda self: self.kv[0:1])
-    v = property(lambda self: self.kv[1:2])
-    k_host = property(lambda self: self.kv_host[0])
-    v_host = property(lambda self: self.kv_host[1])
-
 
     def _lengths(self) -> torch.Tensor:
         return self.lengths.fill_(self.n_act)
@@ -299,7 +196,7 @@ class SoftFreezeLayer(LayerKV):
 
     def unfreeze_where(self, mask: torch.Tensor) -> int:
         """Restore the frozen tokens where mask (n_tok,) is true; returns how many."""
-        return self._restore((mask & (self.thaw_at[: self.n_tok] != NOT_FROZEN)).nonzero()[:, 0])
+        return self.state.restore(self.index, (mask & (self.thaw_at[: self.n_tok] != NOT_FROZEN)).nonzero()[:, 0])
 
     def clear_counts(self) -> None:
         self.count.zero_()
@@ -310,10 +207,11 @@ class SoftFreezeLayer(LayerKV):
     def truncate(self, n_keep: int) -> None:
         """Forget tokens n_keep .. n_tok - 1 (all active: call after a full reset)."""
         assert self.n_frozen == 0, "truncate after full_reset"
-        self._remove_slots((self.slot_tok[: self.n_act] >= n_keep).nonzero()[:, 0])
+        self.state.remove_slots(self.index, (self.slot_tok[: self.n_act] >= n_keep).nonzero()[:, 0])
         self.n_tok = n_keep
         self.count[n_keep:] = 0
         self.frozen_at[n_keep:] = -1
+        self.state.on_host[self.index, n_keep:] = False  # the next tokens at these indices are new
         if self.seen is not None:
             self.seen[n_keep:] = -self.policy.history - 1
 
@@ -365,6 +263,8 @@ class SoftFreeze(Policy):
         # tokens its (at most max_rewalks) rewalks regenerate
         c = torch.arange(self.max_len + self.max_rewalks * self.rewalk_tokens + 1, dtype=torch.float64)
         self.duration = torch.floor(torch.sqrt(c) / self.softness).long().to(self.tiers.device)
+        self.state = FreezeTiers(self, cfg.n_layers)  # the tiers and Algorithm 1's state of every layer
+        self.scores: list[torch.Tensor | None] = [None] * cfg.n_layers  # each layer's s_j of this forward
         self.entropies: list[float] = []  # H of each step's next-token distribution, nats
         self.level = 0  # the ladder's current rung, 0 = calm
         self.calm = 0  # steps since the last spike
@@ -381,6 +281,7 @@ class SoftFreeze(Policy):
     # -- per step ----------------------------------------------------------------------------
     def end_step(self, logits: torch.Tensor | None = None) -> StepAction | None:
         now = self.steps  # index of the step that just ran (0 = prefill)
+        self.run_schedule(now)
         super().end_step(logits)
         if now == 0:
             self.prompt_len = self.layers[0].n_tok
@@ -400,6 +301,16 @@ class SoftFreeze(Policy):
         self.calm = 0
         self.level = min(self.level + 1, 4)
         return self.climb(self.level, now)
+
+    def run_schedule(self, now: int) -> None:
+        """Lines 3-15 of Algorithm 1 for every layer, on the scores its attention recorded in
+        this forward (the layers' tokens move only now, after the last layer has read them)."""
+        if all(s is None for s in self.scores):
+            return  # no forward since the last step
+        if any(s is None for s in self.scores):
+            raise RuntimeError("softfreeze: end_step after a forward that skipped some layers")
+        self.state.schedule_all(self.scores, now)
+        self.scores = [None] * len(self.layers)
 
     def is_spike(self, H: float) -> bool:
         """A spike: H above the mean of the last egr_window entropies by max(egr_z * std, egr_min)."""

@@ -15,7 +15,7 @@ from minikv.kernels.dci_scores.reference import stable_topk
 def dci_cases(draw, dtypes=(torch.float32, torch.bfloat16, torch.float16)):
     B, G, H, N = draw(st.integers(1, 3)), draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(st.integers(1, 40))
     C = draw(st.integers(1, 37))
-    return dict(B=B, G=G, H=H, N=N, C=C, D=draw(st.sampled_from([8, 24, 60, 64])), k=draw(st.integers(1, C)),
+    return dict(B=B, G=G, H=H, N=N, C=C, D=draw(st.sampled_from([8, 24, 60, 64])), k=draw(st.integers(0, C)),  # 0: scores only
                 dtype=draw(st.sampled_from(dtypes)), ties=draw(st.booleans()), seed=draw(st.integers(0, 2**16)))
 
 

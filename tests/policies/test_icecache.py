@@ -237,6 +237,7 @@ def test_smollm2_retrieves_a_passkey_with_a_small_budget(smollm2):
     ("icecache:fov=0", "fov"),
     ("icecache:prop=0", "prop"),
     ("icecache:prop=1.5", "prop"),
+    ("icecache:batch=0", "batch"),
     ("icecache:page_size=0", "page_size"),
 ])
 def test_impossible_parameters(spec, message):

@@ -11,10 +11,10 @@ from . import reference
 def dci_scores(q: torch.Tensor, keys: torch.Tensor, heads: torch.Tensor, cand: torch.Tensor, mask: torch.Tensor,
                k: int, *, backend: str = "eager"):
     """q (B, G, D), keys (H, N, D), heads (B,) int, cand (B, C) int64 key ids (-1 pad), mask
-    (B, G, C) bool, 1 <= k <= C -> (scores (B, G, C) float32, -inf where not scored; best (B, G, k)
+    (B, G, C) bool, 0 <= k <= C (0: scores only) -> (scores (B, G, C) float32, -inf where not scored; best (B, G, k)
     int64 positions in cand, -1 past the scored)."""
-    if not 1 <= k <= cand.shape[1]:
-        raise ValueError(f"k must be in [1, C={cand.shape[1]}], got {k}")
+    if not 0 <= k <= cand.shape[1]:
+        raise ValueError(f"k must be in [0, C={cand.shape[1]}], got {k}")
     if check_backend(backend) == "eager":
         return reference.dci_scores(q, keys, heads, cand, mask, k)
     return load_fused("dci_scores").dci_scores(q, keys, heads, cand, mask, k)

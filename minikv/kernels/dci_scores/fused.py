@@ -80,7 +80,7 @@ def dci_scores(q, keys, heads, cand, mask, k):
         "the last dims must be contiguous"
     assert heads.is_contiguous(), "heads must be contiguous"
     assert q.device == keys.device == heads.device == cand.device == mask.device, "one device"
-    assert 1 <= k <= C, f"k must be in [1, {C}], got {k}"
+    assert 0 <= k <= C, f"k must be in [0, {C}], got {k}"
     scores = torch.empty((B, G, C), dtype=torch.float32, device=q.device)
     best = torch.empty((B, G, k), dtype=torch.int64, device=q.device)
     if triton_interpreted():  # poisoned: an unwritten element fails loudly

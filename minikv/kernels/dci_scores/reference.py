@@ -14,7 +14,7 @@ are returned, best first:
     heads  (B,) int     KV head of each block
     cand   (B, C) int   candidate key ids in [0, N), -1 = padding (blocks have different counts)
     mask   (B, G, C)    bool: query g of block b scores candidate c
-    k      int          1 <= k <= C
+    k      int          0 <= k <= C (0: the scores only)
     -> scores (B, G, C) float32, -inf where not scored (padding or masked)
        best   (B, G, k) int64 positions into cand, by descending score, ties to the lower
               position (a stable sort); -1 where a query scored fewer than k candidates
@@ -50,6 +50,8 @@ def dci_scores(q, keys, heads, cand, mask, k):
     rows = keys.reshape(H * N, D).index_select(0, flat).view(B, C, D)
     scores = torch.bmm(q.float(), rows.float().transpose(1, 2))  # (B, G, C) q . k
     scores = scores.masked_fill_(~(mask & (cand >= 0)[:, None]), float("-inf"))
+    if k == 0:  # scores only (the search's last level ranks nothing)
+        return scores, torch.empty(B, q.shape[1], 0, dtype=torch.int64, device=q.device)
     best = stable_topk(scores, k)
     best = best.masked_fill_(scores.gather(2, best) == float("-inf"), -1)
     return scores, best

@@ -1,0 +1,300 @@
+"""softfreeze's two tiers and its schedule (Algorithm 1, lines 3-15, of the soft-freeze paper:
+"Adaptive Soft Rolling KV Freeze with Entropy-Guided Recovery", Metinov et al., 2025,
+https://arxiv.org/abs/2512.11221), for all layers of a model at once.
+
+Every layer judges its own tokens with its own relevance scores, but the steps of Algorithm 1 are
+the same in every layer. Run layer by layer they are ~25 small tensor ops per layer, 750 a step on
+a 30-layer model, which cost more than the K/V they move. So the state of all layers is stacked
+with a leading layer axis, the layers' attentions only record their scores, and after the last
+layer `schedule_all` runs the step for all layers at once: one comparison over a (layers, slots)
+tensor decides every freeze, one gather and one scatter move the frozen rows, one more pair closes
+the holes, one more brings the due tokens back. `schedule_layer` is the same step for one layer,
+written plainly: the reference the batched step is tested against (step by step, every tensor),
+and the one to read beside the paper. Both make the same decisions in the same order, so they
+leave the same tokens in the same slots.
+
+Layout (L layers, N = max_len, cap slots per layer, grown by doubling for all layers together):
+    kv        (L, cap, 2, Hkv, D)  device: keys (kv[l, :, 0]) and values (kv[l, :, 1]) of layer l's
+                                   *active* tokens in slots [0, n_act[l]), any order (attention
+                                   is order-free). Token-major: a token's K and V are one
+                                   contiguous row, so every move is a row gather.
+    slots     (2, L, cap) int64    device: slot_tok = slots[0] (the token held by each active slot)
+                                   and slot_count = slots[1] (its c_j), moved together as one
+    kv_host   (L, N, 2, Hkv, D)    host: frozen tokens, addressed by token index
+    on_host   (L, N) bool          device: kv_host holds the token's K/V already. A token's K/V
+                                   never changes, so the copy made at its first freeze is still
+                                   exact when it freezes again: a refreeze (every other step for
+                                   a token in d = 1 cycles) moves nothing to the host
+    count, thaw_at, frozen_at (L, N)  device: per-token state of frozen tokens
+    seen      (L, N, W)            device, with a history window W only: the steps of each
+                                   token's last W detections (a ring indexed by its count)
+Flat row indices address a layer's row in the stacked buffers: l * cap + slot on the device,
+l * N + token on the host (kv.view(L * cap, ...), kv_host.view(L * N, ...)).
+
+Decision (DESIGN.md): a token frozen at step t with duration d is absent from the attentions of
+steps t+1 .. t+d and restored at the end of step t+d (thaw_at = t+d): Algorithm 1 read literally
+decrements the new timer at once, so a d = 1 freeze would do nothing.
+"""
+from __future__ import annotations
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+NOT_FROZEN = torch.iinfo(torch.int64).max  # thaw_at of a token that is not frozen
+
+
+class FreezeTiers:
+    """The active (device) and frozen (host) tiers of every layer, with Algorithm 1's state."""
+
+    def __init__(self, policy, n_layers: int):
+        p, cfg = policy, policy.cfg
+        self.p, self.L, self.N = p, n_layers, p.max_len
+        self.Hkv, self.D = cfg.n_kv_heads, cfg.head_dim
+        dev, L, N = p.tiers.device, n_layers, p.max_len
+        self.cap = 0
+        self.kv = self.slots = None  # allocated by reserve()
+        self.kv_host = torch.empty((L, N, 2, self.Hkv, self.D), dtype=p.dtype, pin_memory=p.tiers.pin)
+        # c_j lives beside the active slot (slot_count), so the per-step update is one add; a
+        # frozen token's count waits in count by token index and comes back with it
+        self.count = torch.zeros((L, N), dtype=torch.int64, device=dev)
+        self.thaw_at = torch.full((L, N), NOT_FROZEN, dtype=torch.int64, device=dev)
+        self.frozen_at = torch.full((L, N), -1, dtype=torch.int64, device=dev)  # step of the last freeze
+        self.on_host = torch.zeros((L, N), dtype=torch.bool, device=dev)
+        W = p.history
+        self.seen = torch.full((L, N, W), -W - 1, dtype=torch.int64, device=dev) if W else None
+        self.n_act = [0] * L  # active tokens of each layer: slots [0, n_act[l])
+        self.n_tok = [0] * L  # tokens seen: token indices [0, n_tok[l]), active or frozen
+        self.n_frozen = [0] * L
+        self.freezes = [0] * L  # tokens moved by Algorithm 1 (recovery is counted by the policy)
+        self.thaws = [0] * L
+        self.next_thaw = NOT_FROZEN  # at most the earliest thaw_at of a frozen token: no check before it
+
+    slot_tok = property(lambda self: self.slots[0])  # (L, cap)
+    slot_count = property(lambda self: self.slots[1])
+
+    def reserve(self, n: int) -> None:
+        """At least n slots in every layer."""
+        if n <= self.cap:
+            return
+        cap = min(self.N, max(n, 2 * self.cap))
+        kv = torch.empty((self.L, cap, 2, self.Hkv, self.D), dtype=self.p.dtype, device=self.p.tiers.device)
+        slots = torch.zeros((2, self.L, cap), dtype=torch.int64, device=kv.device)
+        if self.cap:
+            kv[:, : self.cap] = self.kv
+            slots[:, :, : self.cap] = self.slots
+        self.kv, self.slots, self.cap = kv, slots, cap
+
+    # -- new tokens (the layers' prefill and decode) -----------------------------------------
+    def fill(self, l: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The prompt of layer l: k, v (Hkv, T, D) into slots [0, T), as tokens 0 .. T-1."""
+        T = k.shape[1]
+        self.reserve(T + 64)
+        self.kv[l, :T, 0] = k.transpose(0, 1)  # (T, Hkv, D)
+        self.kv[l, :T, 1] = v.transpose(0, 1)
+        self.slots[0, l, :T] = torch.arange(T, device=k.device)
+        self.slots[1, l, :T] = 0
+        self.on_host[l] = False
+        self.n_act[l] = self.n_tok[l] = T
+
+    def append(self, l: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The decoded token of layer l, k, v (Hkv, D), into the next free slot."""
+        a = self.n_act[l]
+        self.reserve(a + 1)
+        self.kv[l, a, 0] = k
+        self.kv[l, a, 1] = v
+        self.slots[0, l, a] = self.n_tok[l]
+        self.slots[1, l, a] = 0
+        self.n_act[l] += 1
+        self.n_tok[l] += 1
+
+    # -- Algorithm 1 for one layer: the reference --------------------------------------------
+    def schedule_layer(self, l: int, s: torch.Tensor, now: int) -> None:
+        """Lines 3-15 of Algorithm 1 in layer l at step `now`, given s (n_act[l],) over its
+        active slots."""
+        p, n = self.p, self.n_act[l]
+        if p.relevance_log is not None:
+            p.relevance_log.append(s.detach().float().cpu())
+        tau = p.tau * s.mean() if p.score == "relative" else p.tau  # relative: s_j / mean(s) < tau
+        # line 3: outside the sliding window of the last K tokens, below tau
+        low = (s < tau) & (self.slot_tok[l, :n] < self.n_tok[l] - p.window)  # (n,)
+        if p.history is None:
+            c = self.slot_count[l, :n]
+            c += low  # line 4, all slots at once
+            # line 6: d_j > 0 exactly when c_j >= c_min (= ceil(k^2)), so d is only computed for those
+            slots = (low & (c >= p.c_min)).nonzero()[:, 0]  # (f,)
+            c = c[slots]
+        else:
+            slots = low.nonzero()[:, 0]
+            c = self._detect(torch.full_like(slots, l), self.slot_tok[l, slots], now)  # line 4 within W steps
+            slots, c = slots[c >= p.c_min], c[c >= p.c_min]
+        if len(slots):
+            tok = self.slot_tok[l, slots]  # (f,)
+            d = p.duration[c]  # line 5, Eq. 3 (tabulated)
+            # a token frozen now thaws at the end of step now + d: lines 10-15 skip it this step
+            self.thaw_at[l, tok] = now + d
+            self.frozen_at[l, tok] = now
+            if p.history is None:
+                self.count[l, tok] = c  # (with W, count is the ring pointer)
+            self.next_thaw = min(self.next_thaw, now + int(d.min()))
+            self.freezes[l] += len(tok)
+            self.freeze(l, slots, tok)  # line 7
+        if now >= self.next_thaw:
+            # lines 10-14: the frozen tokens whose timer has run out at step now
+            due = (self.thaw_at[l, : self.n_tok[l]] <= now).nonzero()[:, 0]  # (r,) token indices
+            self.thaws[l] += len(due)
+            self.restore(l, due)  # line 13
+
+    def _detect(self, layer: torch.Tensor, tok: torch.Tensor, now: int) -> torch.Tensor:
+        """With a history window W: record a detection of tokens `tok` of layers `layer` (both
+        (m,)) at step `now` and return their c_j, the detections within the last W steps."""
+        W = self.p.history
+        self.seen[layer, tok, self.count[layer, tok] % W] = now  # count: detections so far, the ring's pointer
+        self.count[layer, tok] += 1  # (layer, token) pairs are unique, so += through an index is exact
+        return (self.seen[layer, tok] > now - W).sum(dim=1)
+
+    # -- moving one layer's K/V between the tiers (the reference; recovery uses them too) ------
+    def remove_slots(self, l: int, slots: torch.Tensor) -> None:
+        """Drop layer l's active slots `slots`, closing the holes with its last active slots."""
+        n, m = self.n_act[l], self.n_act[l] - len(slots)
+        keep = torch.ones(n, dtype=torch.bool, device=slots.device)
+        keep[slots] = False
+        holes = slots[slots < m]  # removed slots inside the new length...
+        fill = keep[m:].nonzero()[:, 0] + m  # ...and as many kept slots past it
+        kv = self.kv[l]
+        kv.index_copy_(0, holes, kv.index_select(0, fill))
+        self.slots[:, l, holes] = self.slots[:, l, fill]
+        self.n_act[l] = m
+
+    def freeze(self, l: int, slots: torch.Tensor, tok: torch.Tensor) -> None:
+        """Move layer l's active slots `slots` (holding tokens `tok`) to the host tier."""
+        new = ~self.on_host[l, tok]  # (f,) tokens the host does not hold yet
+        slots_new, tok_new = slots[new], tok[new]
+        rows = self.p.tiers.to_host(self.kv[l].index_select(0, slots_new), fresh=True)  # (f', 2, Hkv, D)
+        self.kv_host[l].index_copy_(0, tok_new.cpu(), rows)
+        self.on_host[l, tok_new] = True
+        self.remove_slots(l, slots)
+        self.n_frozen[l] += len(tok)
+
+    def restore(self, l: int, tok: torch.Tensor) -> int:
+        """Bring layer l's frozen tokens `tok` back from the host tier, after its active slots."""
+        r = len(tok)
+        if r:
+            self.reserve(self.n_act[l] + r)
+            a, b = self.n_act[l], self.n_act[l] + r
+            self.kv[l, a:b] = self.p.tiers.to_device(self.kv_host[l].index_select(0, tok.cpu()), fresh=True)
+            self.slots[0, l, a:b] = tok
+            if self.p.history is None:
+                self.slots[1, l, a:b] = self.count[l, tok]
+            self.thaw_at[l, tok] = NOT_FROZEN
+            self.n_act[l] = b
+            self.n_frozen[l] -= r
+        self.next_thaw = int(self.thaw_at[:, : max(self.n_tok)].min()) if any(self.n_frozen) else NOT_FROZEN
+        return r
+
+    # -- Algorithm 1 for all layers at once ----------------------------------------------------
+    def schedule_all(self, scores: list[torch.Tensor], now: int) -> None:
+        """schedule_layer(l, scores[l], now) for every layer l, as one step over stacked tensors.
+        scores[l] (n_act[l],): layer l's s_j over its active slots."""
+        p, L = self.p, self.L
+        dev = self.kv.device
+        if p.relevance_log is not None:
+            p.relevance_log.extend(s.detach().float().cpu() for s in scores)
+        n = torch.tensor(self.n_act, device=dev)  # (L,)
+        S = pad_sequence(scores, batch_first=True)  # (L, A): A = the most active slots of a layer
+        A = S.shape[1]
+        slot = torch.arange(A, device=dev)
+        active = slot < n[:, None]  # (L, A): the padding is no slot
+        if p.score == "relative":
+            # each layer's mean on its own row, as schedule_layer takes it: a padded row's sum
+            # could round differently, and a threshold one ulp off could flip a token
+            tau = p.tau * torch.stack([s.mean() for s in scores])[:, None]  # (L, 1)
+        else:
+            tau = p.tau
+        n_tok = torch.tensor(self.n_tok, device=dev)[:, None]
+        # line 3: outside the sliding window of the last K tokens, below tau
+        low = (S < tau) & active & (self.slot_tok[:, :A] < n_tok - p.window)  # (L, A)
+        if p.history is None:
+            c = self.slot_count[:, :A]
+            c += low  # line 4, every slot of every layer at once
+            freeze = low & (c >= p.c_min)  # line 6: d_j > 0 exactly when c_j >= c_min
+            lf, jf = freeze.nonzero().unbind(1)  # (f,) layer and slot of each token to freeze
+            cf = c[lf, jf]
+        else:
+            lw, jw = low.nonzero().unbind(1)
+            c = self._detect(lw, self.slot_tok[lw, jw], now)  # line 4 within the last W steps
+            lf, jf, cf = lw[c >= p.c_min], jw[c >= p.c_min], c[c >= p.c_min]
+            freeze = torch.zeros_like(low)
+            freeze[lf, jf] = True
+        f = freeze.sum(dim=1)  # (L,) tokens frozen per layer
+        if len(lf):
+            tok = self.slot_tok[lf, jf]  # (f,)
+            d = p.duration[cf]  # line 5, Eq. 3 (tabulated)
+            self.thaw_at[lf, tok] = now + d  # lines 10-15 skip the new ones this step
+            self.frozen_at[lf, tok] = now
+            if p.history is None:
+                self.count[lf, tok] = cf
+            self.next_thaw = min(self.next_thaw, now + int(d.min()))
+            self._freeze_all(lf, jf, tok)  # line 7
+            self._close_holes(freeze, active, n - f)
+        m = n - f  # (L,) active tokens after the freezes
+        r = torch.zeros_like(m)
+        if now >= self.next_thaw:
+            # lines 10-14: the frozen tokens whose timer has run out, layer by layer in token order
+            due = self.thaw_at[:, : max(self.n_tok)] <= now  # (L, T)
+            r = due.sum(dim=1)  # (L,)
+            lr, tr = due.nonzero().unbind(1)
+            if len(lr):
+                self._restore_all(lr, tr, m, r)  # line 13
+            self.next_thaw = int(self.thaw_at[:, : max(self.n_tok)].min())
+        n_act, f, r = torch.stack((m + r, f, r)).tolist()
+        self.n_act = n_act
+        for l in range(L):
+            self.n_frozen[l] += f[l] - r[l]
+            self.freezes[l] += f[l]
+            self.thaws[l] += r[l]
+        self.reserve(max(n_act) + 1)  # room for the next decoded token in every layer
+
+    def _rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stacked buffers seen as rows: kv (L * cap, 2, Hkv, D), slots (2, L * cap),
+        kv_host (L * N, 2, Hkv, D)."""
+        return (self.kv.view(-1, 2, self.Hkv, self.D), self.slots.view(2, -1),
+                self.kv_host.view(-1, 2, self.Hkv, self.D))
+
+    def _freeze_all(self, lf: torch.Tensor, jf: torch.Tensor, tok: torch.Tensor) -> None:
+        """Copy the rows of slots jf of layers lf (holding tokens tok; all (f,)) to the host tier,
+        those the host does not hold yet."""
+        new = ~self.on_host[lf, tok]
+        lf, jf, tok = lf[new], jf[new], tok[new]
+        if len(lf):
+            kv, _, kv_host = self._rows()
+            rows = self.p.tiers.to_host(kv.index_select(0, lf * self.cap + jf), fresh=True)  # (f', 2, Hkv, D)
+            kv_host.index_copy_(0, (lf * self.N + tok).cpu(), rows)
+            self.on_host[lf, tok] = True
+
+    def _close_holes(self, freeze: torch.Tensor, active: torch.Tensor, m: torch.Tensor) -> None:
+        """remove_slots for every layer: the frozen slots below a layer's new length m[l] are
+        filled by its kept slots at or past it, both in slot order (as remove_slots pairs them).
+        A layer has as many of one as of the other, so the two lists, layer-major, pair up."""
+        # freeze, active (L, A); m (L,)
+        inside = torch.arange(freeze.shape[1], device=freeze.device) < m[:, None]  # (L, A)
+        holes = (freeze & inside).nonzero()
+        fill = (active & ~freeze & ~inside).nonzero()
+        holes, fill = holes[:, 0] * self.cap + holes[:, 1], fill[:, 0] * self.cap + fill[:, 1]
+        kv, slots, _ = self._rows()
+        kv.index_copy_(0, holes, kv.index_select(0, fill))
+        slots[:, holes] = slots[:, fill]
+
+    def _restore_all(self, lr: torch.Tensor, tr: torch.Tensor, m: torch.Tensor, r: torch.Tensor) -> None:
+        """restore for every layer: layer lr's token tr (both (r,), layer-major, token order) is
+        appended after that layer's m[lr] active slots, r[l] tokens in layer l."""
+        self.reserve(int((m + r).max()))
+        first = torch.cumsum(r, 0) - r  # (L,) where each layer's tokens start in lr
+        slot = m[lr] + torch.arange(len(lr), device=lr.device) - first[lr]  # (r,)
+        kv, slots, kv_host = self._rows()
+        back = self.p.tiers.to_device(kv_host.index_select(0, (lr * self.N + tr).cpu()), fresh=True)
+        at = lr * self.cap + slot
+        kv.index_copy_(0, at, back)
+        slots[0, at] = tr
+        if self.p.history is None:
+            slots[1, at] = self.count[lr, tr]
+        self.thaw_at[lr, tr] = NOT_FROZEN
