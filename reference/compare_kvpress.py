@@ -6,7 +6,7 @@ written in the same JSON schema, so that `bench compare --include` puts them in 
 
 Run from the repository root with the kvpress virtualenv (reference/README.md; kvpress and
 transformers are never dependencies of minikv). The model is the bundled SmolLM2 GGUF read by
-transformers (float32, eager attention, the CPU); the prompts come from minikv's own generators
+transformers (float32, SDPA attention by default, the CPU); the prompts come from minikv's own generators
 (minikv.bench.tasks), token for token. Per row, a press at the compression ratio that leaves
 `budget` tokens per KV head of the prompt: ratio = 1 - budget / prompt tokens.
 
@@ -146,13 +146,16 @@ def main() -> int:
     p.add_argument("--seeds", type=int, nargs="+")
     p.add_argument("--length", type=int)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa",
+                   help="transformers' attention (default sdpa; the presses score from queries and keys, "
+                        "not from eager attention weights)")
     p.add_argument("--json", required=True)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     preset = PRESETS[args.preset]
     tasks = args.tasks or task_names() + ["long"]
-    settings = {"preset": args.preset, "tasks": tasks, "budgets": args.budget, "chat": True,
+    settings = {"preset": args.preset, "tasks": tasks, "attn": args.attn, "budgets": args.budget, "chat": True,
                 "length": args.length or preset["length"], "seeds": args.seeds or preset["seeds"],
                 "long_prompt": preset["long_prompt"], "long_steps": preset["long_steps"]}
     for name in args.press:
@@ -165,7 +168,7 @@ def main() -> int:
     tok = load_tokenizer(resolve("smollm2", progress=False))
     gguf = smollm2_gguf_path()
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
+                                                 attn_implementation=args.attn).eval()
     instances = [make_instance(t, tok, settings["length"], s) for t in tasks if t != "long" for s in settings["seeds"]]
     long_ids = text_ids(tok, settings["long_prompt"] + settings["long_steps"]) if "long" in tasks else None
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()

@@ -39,34 +39,16 @@ exactly one page. Insertion (Algorithm 1 lines 26-36) puts a new point into its 
 ever moves. A point that opens a new top level becomes the parent of the old top level: the
 root's pages become its pages unchanged (their members keep their page), and it joins the root.
 
-Query (Algorithms 3 and 4, page selection): from the top level down, the candidates of a level
-are the children of the `fov` best points expanded on the level above (all top-level points at
-the start). Each node's children are scanned as the authors' M-DCI scans them with one simple
-index (m = 1): outward from the query's projection u.T_Q(q) in the order of |u.T_K(k) - u.T_Q(q)|,
-in batches of CLOSEST = 128 projections, until max(fov, ceil(prop size)) are scored (the
-candidate stop, prop_to_retrieve = 0.8, checked after each batch); a node the field of view
-covers (size <= fov) is scored whole. So nodes of up to 128 children are scored whole, and the
-tree prunes by the field of view: only the children of the fov best points of a level are
-looked at. (Where M-DCI picks a batch's side by the next projection, the window here is the m
-nearest projections; the count is M-DCI's.) Scoring is exact, by q.k, and every scored point is
-a candidate key. Pages are taken in the order of their best scored key, the first `k` distinct
-ones. Field of view max(30, 0.0015 n) as in the authors' code. With fov >= n every point is
-scored: the search is exact.
-
-Speed: the search runs per level on all KV heads and all queries of a block at once. The parts
-that do not depend on the query (the level's points grouped by node, each node's window size,
-its pair sums x_i + x_{i+m}, see node_windows) are kept per level until an insertion; per query
-and node, the window start is one searchsorted, and the block's candidates are the union of its
-queries' windows (a +1/-1 at each window's ends and a cumulative sum).
+Query (Algorithms 3 and 4): dci_search.py. Pages are taken in the order of their best scored
+key, the first `k` distinct ones (select_pages).
 """
 from __future__ import annotations
 
 import torch
 
-from ..kernels.dci_scores import dci_scores
 from ..kernels.dci_scores.reference import stable_topk
+from .dci_search import CLOSEST, LevelLayout, build_layout, field_of_view, search
 
-CLOSEST = 128  # projections a node's scan scores per step before it checks its stop (M-DCI's CLOSEST)
 FIRST_PROMOTION = 100  # a point in 100 reaches level 2 (the authors' ratio_1 = 0.01)
 NEXT_PROMOTION = 5  # a level-l point in 5 reaches level l + 1 (ratio_2 = 0.2)
 
@@ -92,11 +74,6 @@ def levels_of(t: torch.Tensor, first: int = FIRST_PROMOTION, nxt: int = NEXT_PRO
         level += up
         n, up = n // nxt, up & (n % nxt == 0)
     return level
-
-
-def field_of_view(n: int) -> int:
-    """Points expanded per level at query time: max(30, 0.0015 n) (the authors' query setting)."""
-    return max(30, int(n * 1.5e-3))
 
 
 def random_direction(head_dim: int, seed: int = 0) -> torch.Tensor:
@@ -153,7 +130,7 @@ class DCIForest:
         self.pos_in_level = torch.zeros(capacity, dtype=torch.int64)
         self.level_lists: dict[int, list[int]] = {}
         self._level_ids: dict[int, torch.Tensor] = {}
-        self._layouts: dict[int, tuple] = {}  # per level, see _layout
+        self._layouts: dict[tuple, LevelLayout] = {}  # per (level, search parameters), see layout()
         self.parent = torch.full((H, capacity), -1, dtype=torch.int64)
         self.page_of = torch.full((H, capacity), -1, dtype=torch.int64)
         self.slot_of = torch.full((H, capacity), -1, dtype=torch.int64)
@@ -189,6 +166,7 @@ class DCIForest:
         if torch.equal(c_new, self.c):
             return
         self.c = c_new
+        self._layouts = {}  # every projection changed
         n = self.n
         self.proj[:, :n] = self._project(self.uk[:, :n], self.sq[:, :n], self.c)
 
@@ -197,7 +175,6 @@ class DCIForest:
         m, a = keys.shape[1], self.n
         if a + m > self.cap:
             raise ValueError(f"the DCI tree holds at most {self.cap} keys, {a + m} asked")
-        self._layouts = {}  # new points (and maybe new projections): the query layouts are stale
         k = keys.float()
         sq = k.double().square().sum(-1)
         self._grow_norm(sq)
@@ -267,32 +244,37 @@ class DCIForest:
         self.open_page[h] = dict(zip(par[ends].tolist(), page[ends].tolist()))
 
     # -- insertion (Algorithm 1, lines 26-36) ------------------------------------------------------
-    def insert(self, keys: torch.Tensor) -> list[tuple[int, int]]:
-        """Insert keys (H, m, D), in token order. Returns the pages touched, as (head, page)."""
+    def insert(self, keys: torch.Tensor) -> None:
+        """Insert keys (H, m, D), in token order."""
         m = keys.shape[1]
         if self.n == 0:  # nothing to insert into yet: the first keys build the tree
             self.build(keys)
-            return [(h, p) for h in range(self.H) for p in range(self.n_pages[h])]
+            return
         a = self.n
         self._store(keys)
-        touched = []
-        for t in range(a, a + m):
-            level = level_of(t, self.first, self.nxt)
+        levels = levels_of(torch.arange(a, a + m), self.first, self.nxt).tolist()
+        t = a
+        while t < a + m:  # runs of points on one level: their parents in one product
+            level = levels[t - a]
             if level > self.top:
                 self._raise_top(t)
                 level = self.top
+            end = t + 1
+            while end < a + m and levels[end - a] == level:
+                end += 1
+            run = torch.arange(t, end)
             if level == self.top:
-                parent = [-1] * self.H
-            else:  # Alg. 4 with k = 1 at level l + 1, exactly
+                parents = torch.full((self.H, end - t), -1, dtype=torch.int64)
+            else:  # Alg. 4 with k = 1 at level l + 1, exactly (no point of the run is on level l + 1)
                 up = self.level_ids(level + 1)
-                sim = self._similarity(self.keys[:, t:t + 1], self.sq[:, t:t + 1], up)  # (H, 1, n_up)
-                parent = up[sim[:, 0].argmax(dim=1)].tolist()
-            self._add_to_level(t, level)
-            self.n = t + 1
-            for h in range(self.H):
-                self.parent[h, t] = parent[h]
-                touched.append((h, self._place(h, t, parent[h])))
-        return touched
+                parents = up[self._similarity(self.keys[:, run], self.sq[:, run], up).argmax(dim=2)]  # (H, r)
+            for u in range(t, end):
+                self._add_to_level(u, level)
+            self._layouts = {key: lay for key, lay in self._layouts.items() if key[0] != level}
+            self.parent[:, run] = parents
+            self.n = end
+            self._place(run, parents)
+            t = end
 
     def _raise_top(self, t: int) -> None:
         # point t opens level top + 1: the old top level (the root's children) become its
@@ -305,103 +287,39 @@ class DCIForest:
                 self.open_page[h][t] = self.open_page[h].pop(-1)
         self.top += 1
 
-    def _place(self, h: int, t: int, parent: int) -> int:
-        # point t of head h into its parent's open page, or a new page when that one is full
-        page = self.open_page[h].get(parent)
-        if page is None or int(self.fill[h, page]) == self.P:
-            page = self.n_pages[h]
-            self.n_pages[h] += 1
-            self.open_page[h][parent] = page
-        slot = int(self.fill[h, page])
-        self.fill[h, page] = slot + 1
-        self.page_of[h, t], self.slot_of[h, t] = page, slot
-        self.page_token[h, page, slot] = t
-        return page
+    def _place(self, run: torch.Tensor, parents: torch.Tensor) -> None:
+        # points run (r,) into their parents' open pages (H, r), a new page where one is full;
+        # in token order per head, on Python ints, then written to the tensors at once
+        fill, P = self.fill.tolist(), self.P
+        heads, tokens, pages, slots = [], [], [], []
+        for h, row in enumerate(parents.tolist()):
+            open_page = self.open_page[h]
+            for t, parent in zip(run.tolist(), row):
+                page = open_page.get(parent)
+                if page is None or fill[h][page] == P:
+                    page = open_page[parent] = self.n_pages[h]
+                    self.n_pages[h] += 1
+                heads.append(h), tokens.append(t), pages.append(page), slots.append(fill[h][page])
+                fill[h][page] += 1
+        heads, tokens, pages, slots = (torch.tensor(x, dtype=torch.int64) for x in (heads, tokens, pages, slots))
+        self.page_of[heads, tokens], self.slot_of[heads, tokens] = pages, slots
+        self.page_token[heads, pages, slots] = tokens
+        self.fill[heads, pages] = slots + 1
 
     # -- query (Algorithms 3 and 4) ----------------------------------------------------------------
-    def _layout(self, level: int, prop: float, fov: int, batch: int) -> tuple:
-        """The level's points per head grouped by node (parent), in projection order within one,
-        and what the search needs of them that does not depend on the query: order, node_of
-        (H, n_l) tree id and node index per position; per node (H, N, padded with empty nodes
-        at n_l): start, up (its parent's position on the level above) and the node_windows of
-        the closest-`prop` rule. Rebuilt lazily after an insertion or a growth of c (both change
-        projections or nodes)."""
+    def layout(self, level: int, prop: float, fov: int, batch: int) -> LevelLayout:
+        """The query-independent part of a level's search (dci_search.build_layout), kept until
+        an insertion or a growth of c (both change projections or nodes)."""
         lay = self._layouts.get((level, prop, fov, batch))
         if lay is None:
-            ids = self.level_ids(level)
-            n_l = ids.numel()
-            x = self.proj[:, ids]  # (H, n_l)
-            by_proj = x.argsort(dim=1, stable=True)
-            par = self.parent[:, ids].gather(1, by_proj)
-            by_node = par.argsort(dim=1, stable=True)
-            order = ids[by_proj.gather(1, by_node)]  # tree ids (H, n_l)
-            par = par.gather(1, by_node)
-            starts = torch.ones(self.H, n_l, dtype=torch.bool)
-            starts[:, 1:] = par[:, 1:] != par[:, :-1]
-            node_of = starts.cumsum(1) - 1  # (H, n_l)
-            N = int(node_of[:, -1].max()) + 1
-            start = torch.full((self.H, N + 1), n_l)  # the last column collects nothing real
-            start.scatter_(1, torch.where(starts, node_of, N), torch.arange(n_l).expand(self.H, n_l))
-            start = start[:, :N]
-            size = torch.zeros(self.H, N, dtype=torch.int64).scatter_add_(1, node_of, torch.ones_like(node_of))
-            up = torch.zeros(self.H, N, dtype=torch.int64)  # the parents' positions one level up
-            up.scatter_(1, node_of, self.pos_in_level[par.clamp_min(0)])
-            pair_key, m = node_windows(self.proj.gather(1, order), node_of, start, size, prop, fov, batch)
-            lay = self._layouts[(level, prop, fov, batch)] = (order, node_of, pair_key, start, up, m)
+            lay = self._layouts[(level, prop, fov, batch)] = build_layout(self, level, prop, fov, batch)
         return lay
 
-    def candidates(self, q: torch.Tensor, heads: torch.Tensor, fov: int, prop: float, batch: int = CLOSEST):
-        """Algorithm 4 with Flag = True: score the keys the tree search visits. q (B, G, D) blocks
-        of G queries searching the tree of KV head heads[b] (B,) -> per level, from the top,
-        concatenated: ids (B, C) tree ids (-1 pad) and scores (B, G, C) float32, q.k where query g
-        scored the key, -inf where it did not (a block's queries share one candidate list, the
-        union of what they visit: each key is read once per block)."""
-        B, G, D = q.shape
-        R = B * G
-        qf = q.float()
-        twice_pq = 2 * self.query_projection(qf.reshape(R, D)).view(B, G, 1)  # 2 u.T_Q(q)
-        same_heads = B == self.H and torch.equal(heads, torch.arange(self.H))  # the policy's case
-        ids_out, scores_out = [], []
-        expanded = None  # (B, G, n_{l+1} + 1) bool: the fov best points of the level above, by position
-        for level in range(self.top, 0, -1):
-            layout = self._layout(level, prop, fov, batch)
-            if not same_heads:
-                layout = tuple(t.index_select(0, heads) for t in layout)
-            order, node_of, pair_key, start, up, m = layout  # (B, n_l) x 3, (B, N) x 3
-            n_l, N = order.shape[1], start.shape[1]
-            # each query's window in each node: the m children its scan scores (visited_per_node),
-            # nearest in projection, counted only where the query expanded the node's parent
-            lo = window_starts(pair_key, twice_pq, N)  # (B, G, N)
-            hi = lo + m[:, None]
-            opened = torch.ones(B, G, N, dtype=torch.bool) if expanded is None else \
-                expanded.gather(2, up[:, None].expand(B, G, N))
-            # the block's candidates: the union of its queries' windows, as +1/-1 at their ends
-            ends = torch.zeros(B, n_l + 1, dtype=torch.int64)
-            ends.scatter_add_(1, lo.view(B, -1), opened.view(B, -1).long())
-            ends.scatter_add_(1, hi.view(B, -1), -opened.view(B, -1).long())
-            union = ends[:, :n_l].cumsum(1) > 0  # (B, n_l)
-            dest = union.cumsum(1) - 1
-            C = int(dest[:, -1].max()) + 1
-            if C == 0:
-                break
-            at = torch.full((B, C + 1), n_l - 1, dtype=torch.int64)  # layout positions of the union
-            at.scatter_(1, torch.where(union, dest, C), torch.arange(n_l).expand(B, n_l))
-            at = at[:, :C]
-            cand = torch.where(torch.arange(C) <= dest[:, -1:], order.gather(1, at), -1)  # tree ids
-            node = node_of.gather(1, at)[:, None].expand(B, G, C)  # which query scores which candidate
-            mask = opened.gather(2, node) & (lo.gather(2, node) <= at[:, None]) & (at[:, None] < hi.gather(2, node))
-            # the fov best of a level are expanded on the next; level 1's are only scored
-            scores, best = dci_scores(qf, self.keys, heads, cand, mask, min(fov, C) if level > 1 else 0,
-                                      backend=self.backend)
-            ids_out.append(cand)
-            scores_out.append(scores)
-            self.scored += int((opened * m[:, None]).sum())
-            if level > 1:
-                chosen = cand.gather(1, best.view(B, -1).clamp_min(0)).view(B, G, -1)
-                where = torch.where(best >= 0, self.pos_in_level[chosen.clamp_min(0)], n_l)
-                expanded = torch.zeros(B, G, n_l + 1, dtype=torch.bool).scatter_(2, where, True)
-        self.searched += R * self.n
-        return torch.cat(ids_out, dim=1), torch.cat(scores_out, dim=2)
+    def candidates(self, q: torch.Tensor, heads: torch.Tensor, fov: int, prop: float, batch: int = CLOSEST,
+                   dense: bool | None = None):
+        """The keys the tree search scores (dci_search.search): q (B, G, D), heads (B,) -> ids
+        (B, C) tree ids, -1 pad, and scores (B, G, C) float32, -inf where a query did not score."""
+        return search(self, q, heads, fov, prop, batch, dense)
 
     def top_keys(self, q: torch.Tensor, heads: torch.Tensor, k: int, fov: int | None = None, prop: float = 0.8,
                  batch: int = CLOSEST):
@@ -439,75 +357,7 @@ class DCIForest:
         return self.page_token[h, page, :int(self.fill[h, page])].tolist()
 
     def nbytes(self) -> int:
-        tensors = (self.keys, self.sq, self.uk, self.proj, self.c, self.level, self.pos_in_level, self.parent,
-                   self.page_of, self.slot_of, self.fill, self.page_token)
+        tensors = [self.keys, self.sq, self.uk, self.proj, self.c, self.level, self.pos_in_level, self.parent,
+                   self.page_of, self.slot_of, self.fill, self.page_token]
+        tensors += [t for lay in self._layouts.values() for t in lay[:-1]]  # the search layouts
         return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def closest_per_node(x: torch.Tensor, twice_pq: torch.Tensor, start: torch.Tensor, size: torch.Tensor, prop: float,
-                     ar: torch.Tensor) -> torch.Tensor:
-    """DCI's candidate stop with one simple index (m = 1): of each node's children, the
-    m = ceil(prop * size) closest to the query in projection. x (B, n_l) projections of the
-    points of a block's tree, grouped by node and ascending within one; start, size (B, n_l) of
-    each point's node; twice_pq (B, G, 1) twice each query's projection -> keep (B, G, n_l) bool.
-
-    In one dimension the m nearest of a sorted run x_0 <= ... <= x_{s-1} are a window
-    [a, a + m), and x_i + x_{i+m} grows with i, so a = #{i < s - m : x_i + x_{i+m} < 2 pq}:
-    one gather and a cumulative sum instead of a sort per node."""
-    B, G, n_l = twice_pq.shape[0], twice_pq.shape[1], x.shape[1]
-    if prop >= 1.0:
-        return torch.ones(B, G, n_l, dtype=torch.bool)
-    m = torch.ceil(size * prop - 1e-9).long()
-    i = ar - start  # position within the node
-    pair = x + x.gather(1, (ar + m).clamp_max(n_l - 1))  # x_i + x_{i+m}, per block
-    cond = (i < size - m)[:, None] & (pair[:, None] < twice_pq)  # (B, G, n_l)
-    cs = cond.cumsum(2)
-    last = (start + size - 1)[:, None].expand(B, G, n_l)
-    before = cs.gather(2, (start - 1).clamp_min(0)[:, None].expand(B, G, n_l))
-    a = cs.gather(2, last) - torch.where(start > 0, 1, 0)[:, None] * before  # window start of each point's node
-    i = i[:, None]
-    return (i >= a) & (i < a + m[:, None])
-
-
-def float_order(x: torch.Tensor) -> torch.Tensor:
-    """float32 -> int64 in [0, 2**32) with the same order (the float's bits, negatives flipped)."""
-    bits = (x.float() + 0.0).contiguous().view(torch.int32).long()  # + 0.0: -0.0 becomes 0.0
-    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) + 2**31
-
-
-def visited_per_node(size: torch.Tensor, prop: float, fov: int = 0, batch: int = 1) -> torch.Tensor:
-    """How many of a node's `size` children a query scores, as the authors' M-DCI query does
-    with one simple index: all of them when the field of view covers the node (fov >= size);
-    otherwise the nearest projections are taken in batches of `batch` (M-DCI's CLOSEST = 128)
-    until at least max(fov, ceil(prop size)) are scored (the candidate stop, checked after each
-    batch). batch = 1, fov = 0: exactly ceil(prop size), closest_per_node's rule."""
-    want = torch.ceil(size * prop - 1e-9).long().clamp_min(fov)
-    m = ((want + batch - 1) // batch) * batch
-    return torch.where(size <= fov, size, m.minimum(size))
-
-
-def node_windows(x: torch.Tensor, node_of: torch.Tensor, start: torch.Tensor, size: torch.Tensor,
-                 prop: float, fov: int = 0, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """closest_per_node's rule, per node instead of per point, in the part that does not depend
-    on the query: x, node_of (H, n_l) projections grouped by node (ascending within one) and each
-    point's node index; start, size (H, N) per node -> (pair_key (H, n_l) int64 sorted per row,
-    m (H, N) the children each query scores, visited_per_node). A query's window in node j is then [lo, lo + m_j) with lo = searchsorted(pair_key,
-    j 2^32 + order(2 pq)): the m nearest of a sorted run x_0 <= ... <= x_{s-1} start at
-    a = #{i < s - m : x_i + x_{i+m} < 2 pq} (the pair sums grow with i), and the node index in
-    the high bits keeps each node's pair sums apart (i >= s - m get the node's largest key)."""
-    H, n_l = x.shape
-    m = visited_per_node(size, prop, fov, batch)  # (H, N)
-    m_of = m.gather(1, node_of)  # (H, n_l) each point's node's m
-    ar = torch.arange(n_l).expand(H, n_l)
-    i = ar - start.gather(1, node_of)  # position within the node
-    pair = x + x.gather(1, (ar + m_of).clamp_max(n_l - 1))  # x_i + x_{i+m}
-    low = torch.where(i < size.gather(1, node_of) - m_of, float_order(pair), 2**32 - 1)
-    return node_of * 2**32 + low, m
-
-
-def window_starts(pair_key: torch.Tensor, twice_pq: torch.Tensor, n_nodes: int) -> torch.Tensor:
-    """pair_key (B, n_l) from node_windows, twice_pq (B, G, 1) -> lo (B, G, N): the first layout
-    position of each query's window in each node."""
-    B, G = twice_pq.shape[:2]
-    value = torch.arange(n_nodes) * 2**32 + float_order(twice_pq)  # (B, G, N)
-    return torch.searchsorted(pair_key, value.view(B, G * n_nodes)).view(B, G, n_nodes)

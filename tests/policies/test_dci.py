@@ -10,8 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minikv.policies.dci import (DCIForest, closest_per_node, field_of_view, first_k_distinct, level_of, levels_of,
-                                 node_windows, random_direction, visited_per_node, window_starts)
+from minikv.policies.dci import DCIForest, first_k_distinct, level_of, levels_of, random_direction
+from minikv.policies.dci_search import (closest_per_node, field_of_view, node_windows, visited_per_node,
+                                        window_starts)
 
 
 def forest_of(keys, P=16, first=100, nxt=5, capacity=None, seed=0):
@@ -162,21 +163,33 @@ def scored_by_a_loop(f, q, h, fov, prop, batch):
 
 @settings(max_examples=15)
 @given(n=st.integers(20, 400), fov=st.sampled_from([2, 5, 30]), prop=st.sampled_from([0.5, 0.8]),
-       batch=st.sampled_from([1, 4, 128]), seed=st.integers(0, 1000))
-def test_batched_search_equals_the_loop(n, fov, prop, batch, seed):
+       batch=st.sampled_from([1, 4, 128]), seed=st.integers(0, 1000), policy_heads=st.booleans())
+def test_batched_search_equals_the_loop(n, fov, prop, batch, seed, policy_heads):
     """The batched search (all heads and queries at once, per-node windows) scores exactly the
-    keys the loop over levels and nodes scores, for every query of every block."""
+    keys the loop over levels and nodes scores, for every query of every block, with the same
+    scores, both ways of scoring: one product with every key, masked (eager), and the block's
+    union gathered (the Triton backend's way). Half the keys are built, searched (the search
+    keeps per-level layouts) and the rest inserted in chunks: no stale layout survives."""
     g = torch.Generator().manual_seed(seed)
     keys = torch.randn(2, n, 8, generator=g)
+    keys[:, n // 2 + 3] *= 3  # a longer key arrives late: c grows, every projection changes
     f = forest_of(keys, P=4, first=7, nxt=3, seed=seed)
-    f.build(keys)
+    f.build(keys[:, :n // 2])
     q = torch.randn(2, 3, 8, generator=g)
-    heads = torch.tensor([1, 0])
-    ids, scores = f.candidates(q, heads, fov, prop, batch)
-    for b in range(2):
-        for j in range(3):
-            found = set(ids[b][scores[b, j] > float("-inf")].tolist())
-            assert found == scored_by_a_loop(f, q[b, j], int(heads[b]), fov, prop, batch)
+    heads = torch.tensor([0, 1]) if policy_heads else torch.tensor([1, 0])
+    f.candidates(q, heads, fov, prop, batch)
+    for a in range(n // 2, n, 11):
+        f.insert(keys[:, a:a + 11])
+        f.candidates(q, heads, fov, prop, batch)
+    for dense in (True, False):
+        ids, scores = f.candidates(q, heads, fov, prop, batch, dense=dense)
+        for b in range(2):
+            h = int(heads[b])
+            for j in range(3):
+                seen = scores[b, j] > float("-inf")
+                found = ids[b][seen]
+                assert set(found.tolist()) == scored_by_a_loop(f, q[b, j], h, fov, prop, batch)
+                torch.testing.assert_close(scores[b, j][seen], f.keys[h, found] @ q[b, j])
 
 
 # -- insertion invariant ---------------------------------------------------------------------------

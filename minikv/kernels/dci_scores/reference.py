@@ -50,8 +50,13 @@ def dci_scores(q, keys, heads, cand, mask, k):
     rows = keys.reshape(H * N, D).index_select(0, flat).view(B, C, D)
     scores = torch.bmm(q.float(), rows.float().transpose(1, 2))  # (B, G, C) q . k
     scores = scores.masked_fill_(~(mask & (cand >= 0)[:, None]), float("-inf"))
+    return scores, ranked(scores, k)
+
+
+def ranked(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """scores (B, G, C), -inf where not scored -> (B, G, k) int64 positions of the k best, by
+    descending score, ties to the lower position, -1 past the scored."""
     if k == 0:  # scores only (the search's last level ranks nothing)
-        return scores, torch.empty(B, q.shape[1], 0, dtype=torch.int64, device=q.device)
+        return torch.empty(*scores.shape[:-1], 0, dtype=torch.int64, device=scores.device)
     best = stable_topk(scores, k)
-    best = best.masked_fill_(scores.gather(2, best) == float("-inf"), -1)
-    return scores, best
+    return best.masked_fill_(scores.gather(2, best) == float("-inf"), -1)
