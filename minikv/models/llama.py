@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from ..config import ModelConfig
 from .decoder import DecoderLM
-from .layers import GatedMLP, RMSNorm, StackedLinear, attend, stacked_in, merge_heads, split_heads
+from .layers import GatedMLP, Linear, RMSNorm, StackedLinear, attend, merge_heads, split_heads, stacked_in
 
 
 class LlamaAttention(nn.Module):
@@ -22,7 +22,7 @@ class LlamaAttention(nn.Module):
         parts = {"q_proj": cfg.n_heads * D, "k_proj": cfg.n_kv_heads * D, "v_proj": cfg.n_kv_heads * D}
         self.qkv_proj = StackedLinear(C, parts, bias=cfg.attention_bias)
         stacked_in(self, "qkv_proj")
-        self.o_proj = nn.Linear(cfg.n_heads * D, C, bias=cfg.attention_out_bias)
+        self.o_proj = Linear(cfg.n_heads * D, C, bias=cfg.attention_out_bias)
 
     def forward(self, x, positions, rope, layer_kv, decoding):
         # x (B, T, C) -> (B, T, C)
@@ -61,7 +61,7 @@ class LlamaForCausalLM(DecoderLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.dci_scores.reference import stable_topk
-from .dci_search import CLOSEST, LevelLayout, build_layout, field_of_view, search
+from .dci_search import CLOSEST, LevelLayout, build_layout, field_of_view, search, search_levels
 
 FIRST_PROMOTION = 100  # a point in 100 reaches level 2 (the authors' ratio_1 = 0.01)
 NEXT_PROMOTION = 5  # a level-l point in 5 reaches level l + 1 (ratio_2 = 0.2)
@@ -341,10 +341,10 @@ class DCIForest:
         B, G, _ = q.shape
         if self.n == 0:
             return torch.full((B, G, k), -1, dtype=torch.int64)
-        ids, scores = self.candidates(q, heads, field_of_view(self.n) if fov is None else fov, prop, batch)
-        pages = torch.where(ids >= 0, self.page_of.index_select(0, heads).gather(1, ids.clamp_min(0)), self.max_pages)
-        best = torch.full((B, G, self.max_pages + 1), float("-inf"))
-        best.scatter_reduce_(2, pages[:, None].expand(B, G, -1), scores, "amax")
+        best = torch.full((B, G, self.max_pages + 1), float("-inf"))  # per page, its best scored key
+        for _, pages, scores in search_levels(self, q, heads, field_of_view(self.n) if fov is None else fov, prop,
+                                              batch):
+            best.scatter_reduce_(2, pages[:, None].expand(B, G, -1), scores, "amax")
         best[:, :, self.max_pages] = float("-inf")
         k_eff = min(k, self.max_pages)
         top = stable_topk(best, k_eff)

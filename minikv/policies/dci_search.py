@@ -56,6 +56,7 @@ class LevelLayout(NamedTuple):
     start: torch.Tensor  # (H, N) first position of each node (n_l for padding nodes)
     up: torch.Tensor  # (H, N) position of the node's parent on the level above
     m: torch.Tensor  # (H, N) children a query scores in the node (visited_per_node)
+    page: torch.Tensor  # (H, n_l) the page of each position (a point never changes page)
     whole: bool  # every node scored whole (m == size): an opened node needs no window
 
     def select(self, heads: torch.Tensor) -> "LevelLayout":
@@ -84,13 +85,15 @@ def build_layout(forest, level: int, prop: float, fov: int, batch: int) -> Level
     up = torch.zeros(H, N, dtype=torch.int64)  # the parents' positions one level up
     up.scatter_(1, node_of, forest.pos_in_level[par.clamp_min(0)])
     pair_key, m = node_windows(forest.proj.gather(1, order), node_of, start, size, prop, fov, batch)
-    return LevelLayout(order, node_of, pair_key, start, up, m, bool((m == size).all()))
+    return LevelLayout(order, node_of, pair_key, start, up, m, forest.page_of.gather(1, order),
+                       bool((m == size).all()))
 
 
-def visited_points(lay: LevelLayout, twice_pq: torch.Tensor, expanded: torch.Tensor | None) -> torch.Tensor:
-    """(B, G, n_l) bool: the points each query scores on this level, its window in each node it
-    opened. twice_pq (B, G, 1) twice each query's projection; expanded (B, G, n_{l+1} + 1) the
-    points expanded on the level above, by position, or None where all were."""
+def visited_points(lay: LevelLayout, twice_pq: torch.Tensor, expanded: torch.Tensor | None):
+    """-> ((B, G, n_l) bool: the points each query scores on this level, its window in each node
+    it opened; how many that is in all). twice_pq (B, G, 1) twice each query's projection;
+    expanded (B, G, n_{l+1} + 1) the points expanded on the level above, by position, or None
+    where all were."""
     B, G = twice_pq.shape[:2]
     N, n_l = lay.start.shape[1], lay.order.shape[1]
     lo = window_starts(lay.pair_key, twice_pq, N)  # (B, G, N)
@@ -101,7 +104,7 @@ def visited_points(lay: LevelLayout, twice_pq: torch.Tensor, expanded: torch.Ten
     # where the running sum is 1
     marks = torch.zeros(B, G, n_l + 1, dtype=torch.int32)
     marks.scatter_add_(2, lo, opened).scatter_add_(2, hi, -opened)
-    return marks[:, :, :n_l].cumsum(2, dtype=torch.int32) > 0
+    return marks[:, :, :n_l].cumsum(2, dtype=torch.int32) > 0, int((opened * lay.m[:, None]).sum())
 
 
 def union_candidates(order: torch.Tensor, visit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,38 +128,48 @@ def search(forest, q: torch.Tensor, heads: torch.Tensor, fov: int, prop: float, 
     concatenated: ids (B, C) tree ids (-1 pad) and scores (B, G, C) float32, q.k where query g
     scored the key, -inf where it did not. dense: one product with every key, masked (default
     with the eager backend), or the block's union gathered (dci_scores); the same result."""
+    levels = list(search_levels(forest, q, heads, fov, prop, batch, dense))
+    return torch.cat([ids for ids, _, _ in levels], dim=1), torch.cat([scores for _, _, scores in levels], dim=2)
+
+
+def search_levels(forest, q: torch.Tensor, heads: torch.Tensor, fov: int, prop: float, batch: int = CLOSEST,
+                  dense: bool | None = None):
+    """search(), level by level from the top: yields (ids (B, C_l) tree ids, -1 pad; pages (B, C_l)
+    their pages, max_pages for the pad; scores (B, G, C_l))."""
     B, G, D = q.shape
     qf = q.float()
     twice_pq = 2 * forest.query_projection(qf.reshape(B * G, D)).view(B, G, 1)  # 2 u.T_Q(q)
     same_heads = B == forest.H and torch.equal(heads, torch.arange(forest.H))  # the policy's case
-    ids_out, scores_out = [], []
     every_key = None  # eager: (B, G, n) q.k for every key of the tree, in tree-id order
     if forest.backend == "eager" if dense is None else dense:
         keys = forest.keys[:, :forest.n] if same_heads else forest.keys.index_select(0, heads)[:, :forest.n]
         every_key = torch.bmm(qf, keys.transpose(1, 2))
+    forest.searched += B * G * forest.n
     expanded = None  # (B, G, n_{l+1} + 1) bool by position, the fov best of the level above; None: all
     for level in range(forest.top, 0, -1):
         lay = forest.layout(level, prop, fov, batch)
         if not same_heads:
             lay = lay.select(heads)
         n_l = lay.order.shape[1]
-        visit = None if expanded is None and lay.whole else visited_points(lay, twice_pq, expanded)
+        visit, n_visited = (None, B * G * n_l) if expanded is None and lay.whole else \
+            visited_points(lay, twice_pq, expanded)
+        forest.scored += n_visited
         # the fov best are expanded on the next level; none to rank where all will be
         all_expanded = visit is None and fov >= n_l
         k = min(fov, n_l) if level > 1 and not all_expanded else 0
-        forest.scored += B * G * n_l if visit is None else int(visit.sum())
         if every_key is not None:  # the level's points in layout order, what a query skips masked
-            cand = lay.order
+            cand, pages = lay.order, lay.page
             scores = every_key.gather(2, cand[:, None].expand(B, G, n_l))
             if visit is not None:
-                scores.masked_fill_(~visit, float("-inf"))
+                scores = torch.where(visit, scores, float("-inf"))
             best = ranked(scores, k)
         else:
             cand, mask = union_candidates(lay.order, torch.ones(B, G, n_l, dtype=torch.bool) if visit is None else visit)
+            pages = torch.where(cand >= 0, forest.page_of.index_select(0, heads).gather(1, cand.clamp_min(0)),
+                                forest.max_pages)
             scores, best = dci_scores(qf, forest.keys, heads, cand, mask, min(k, cand.shape[1]),
                                       backend=forest.backend)
-        ids_out.append(cand)
-        scores_out.append(scores)
+        yield cand, pages, scores
         if level > 1:
             if all_expanded:
                 expanded = None
@@ -164,8 +177,6 @@ def search(forest, q: torch.Tensor, heads: torch.Tensor, fov: int, prop: float, 
                 chosen = cand.gather(1, best.view(B, -1).clamp_min(0)).view(B, G, -1)
                 where = torch.where(best >= 0, forest.pos_in_level[chosen.clamp_min(0)], n_l)
                 expanded = torch.zeros(B, G, n_l + 1, dtype=torch.bool).scatter_(2, where, True)
-    forest.searched += B * G * forest.n
-    return torch.cat(ids_out, dim=1), torch.cat(scores_out, dim=2)
 
 
 # -- one node's window (the candidate stop of one simple index) ------------------------------------

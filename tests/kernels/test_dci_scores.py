@@ -2,6 +2,7 @@
 candidates its mask selects by q . k in its block's head, then a stable descending sort), and
 the Triton kernel equals the reference over odd head dims, ragged candidate lists (padding between
 blocks of different counts), masks, repeated ids, ties, several KV heads and k up to C."""
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -34,11 +35,13 @@ def make_inputs(case):
     return q, keys, heads, cand.to(DEVICE), mask.to(DEVICE)
 
 
-def test_stable_topk_is_a_stable_descending_sort():
+@pytest.mark.parametrize("n", [50, 5000])  # a short row is sorted, a long one ranked by integer keys
+def test_stable_topk_is_a_stable_descending_sort(n):
     g = torch.Generator().manual_seed(0)
-    v = torch.randint(-3, 3, (5, 50), generator=g).float()
+    v = torch.randint(-3, 3, (5, n), generator=g).float()
     v[0, 10:20] = float("-inf")
     v[1, -1] = v[1, 0] = -0.0  # equal to 0.0: a tie like any other
+    v[2, 5] = 0.0
     expected = torch.sort(v, dim=1, descending=True, stable=True).indices[:, :17]
     assert torch.equal(stable_topk(v, 17), expected)
 
