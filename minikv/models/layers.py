@@ -59,10 +59,19 @@ class Linear(nn.Linear):
         w, threads = self.weight, torch.get_num_threads()
         if threads == 1 or x.device.type != "cpu" or x.numel() != x.shape[-1] or w.shape[0] % threads:
             return F.linear(x, w, self.bias)
-        # x (..., in) one row -> (threads, 1, in) @ (threads, in, out / threads)
-        blocks = w.view(threads, -1, w.shape[1]).transpose(1, 2)
-        y = torch.bmm(x.reshape(1, 1, -1).expand(threads, 1, -1), blocks).view(*x.shape[:-1], -1)
+        # x (..., in) one row: (1, in) @ (threads, in, out / threads) -> (threads, 1, out / threads)
+        y = torch.matmul(x.reshape(1, -1), self.blocks(threads)).view(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias
+
+    def blocks(self, threads: int) -> torch.Tensor:
+        """The weight as (threads, in, out / threads) blocks of output rows, a view (kept per
+        thread count and storage: a loaded or replaced weight gets new blocks)."""
+        w = self.weight
+        key = (threads, w.data_ptr(), w.stride())
+        if getattr(self, "_blocks_key", None) != key:
+            self._blocks = w.detach().view(threads, -1, w.shape[1]).transpose(1, 2)
+            self._blocks_key = key
+        return self._blocks
 
 
 class StackedLinear(Linear):

@@ -97,9 +97,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     # x (..., D); cos, sin (..., R) with R = rotary_dim <= D, broadcastable against x[..., :R].
     # Computed in float32 and cast back, as HF does for bf16/fp16 activations.
     rotary_dim = cos.shape[-1]
-    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-    xf = x_rot.float()
-    rotated = (xf * cos + rotate_half(xf) * sin).to(x.dtype)
-    if x_pass.shape[-1] == 0:
-        return rotated
-    return torch.cat((rotated, x_pass), dim=-1)
+    if rotary_dim < x.shape[-1]:  # partial rotary (Pythia): the channels past it pass through
+        return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
+    xf = x.float()  # (no op, and no copy, for float32: a decode step calls this 60 times)
+    rotated = xf * cos + rotate_half(xf) * sin
+    return rotated.to(x.dtype)
