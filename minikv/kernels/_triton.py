@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_interpreted
+
 LOG2E = 1.4426950408889634  # softmaxes run in base 2 (exp2 is the fast one): scale * log2(e)
 LN2 = tl.constexpr(0.6931471805599453)  # and back to natural log for the returned lse
 
@@ -67,3 +69,23 @@ def split_len_for(rows: int, n_sm: int, L_cap: int, block_n: int) -> int:
     whole number of block_n tiles."""
     splits = max(1, min(triton.cdiv(2 * n_sm, rows), triton.cdiv(L_cap, 256), MAX_SPLITS))
     return triton.cdiv(triton.cdiv(L_cap, splits), block_n) * block_n
+
+
+def check_dense_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *others: torch.Tensor,
+                   block_n: int) -> tuple[int, int, int, int]:
+    """The checks of a launcher whose KV is dense per row: q (B, Hq, D), k and v (B, Hkv, L, D),
+    Hq a multiple of Hkv, one float dtype, contiguous head dims, every tensor (others too) on one
+    device, CUDA or the interpreter, block_n a power of 2 >= 16 (tl.dot) -> (B, Hq, Hkv, D)."""
+    assert q.dim() == 3 and k.dim() == 4, f"want q (B, Hq, D), k (B, Hkv, L, D); got {tuple(q.shape)}, {tuple(k.shape)}"
+    B, Hq, D = q.shape
+    Hkv = k.shape[1]
+    assert k.shape == v.shape and k.shape[0] == B and k.shape[3] == D, \
+        f"k {tuple(k.shape)} and v {tuple(v.shape)} must be (B, Hkv, L, D) for q {tuple(q.shape)}"
+    assert Hq % Hkv == 0, f"query heads {Hq} must be a multiple of KV heads {Hkv}"
+    assert q.dtype == k.dtype == v.dtype, f"one dtype for q, k, v, got {q.dtype}, {k.dtype}, {v.dtype}"
+    assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), q.dtype
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "the head dim must be contiguous"
+    assert all(t.device == q.device for t in (k, v, *others)), "all tensors on one device"
+    assert q.is_cuda or triton_interpreted(), "triton backend: tensors must be on a CUDA device"
+    assert block_n >= 16 and block_n & (block_n - 1) == 0, "block_n: a power of 2 >= 16 (tl.dot)"
+    return B, Hq, Hkv, D

@@ -17,8 +17,8 @@ fov >= n every point is scored: the search is exact.
 
 Batched form. The search runs per level on all KV heads and all queries of a block at once. What
 does not depend on the query is kept per level until an insertion (LevelLayout): the level's
-points grouped by node, in projection order within one, their keys in that order, and per node
-the window size m and the pair sums x_i + x_{i+m} (node_windows). Per query and node, the window
+points grouped by node, in projection order within one, their pages, and per node the window
+size m and the pair sums x_i + x_{i+m} (node_windows). Per query and node, the window
 start is one searchsorted, and a query's visited points are its windows in the opened nodes.
 
 How the visited keys are scored. With the Triton backend, a block's queries (one KV head's query
@@ -28,7 +28,7 @@ by every key of the tree in one product instead and masks what a query does not 
 a group's queries visit most of the tree between them (at 8k keys the field of view's 30 nodes
 of ~125 children are half of level 1 per query, and the union of a group's three queries two
 thirds), and one product over contiguous keys costs less on a CPU than gathering two thirds of
-them (0.45 against 1.1 ms per layer on SmolLM2 at 8k keys). Either way a query's scores, and the
+them (about 0.5 against 1.5 ms per layer on SmolLM2 at 8k keys). Either way a query's scores, and the
 search's result, are exactly Algorithm 4's: the stats count the keys the search visits.
 """
 from __future__ import annotations

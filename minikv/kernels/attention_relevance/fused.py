@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .. import triton_interpreted
-from .._triton import LN2, LOG2E, merge_splits, split_len_for
+from .._triton import LN2, LOG2E, check_dense_kv, merge_splits, split_len_for
 from .._triton import dot as _dot
 
 @triton.jit
@@ -110,16 +110,9 @@ def default_split_len(B: int, L_cap: int, device: torch.device, block_n: int) ->
 
 def launch(q, k, v, lengths, scale=None, split_len=None, block_n=32):
     """attention_relevance with the launch parameters exposed (tests use them to force splits)."""
-    assert q.dim() == 3 and k.dim() == 4, f"q (B, Hq, D) and k (B, Hkv, L, D), got {tuple(q.shape)}, {tuple(k.shape)}"
-    B, Hq, D = q.shape
-    _, Hkv, L_cap, _ = k.shape
-    assert k.shape == v.shape and k.shape[0] == B and k.shape[3] == D, f"k {tuple(k.shape)}, v {tuple(v.shape)}, q {tuple(q.shape)}"
-    assert Hq % Hkv == 0, f"query heads {Hq} must be a multiple of KV heads {Hkv}"
-    assert q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.float16, torch.bfloat16), (q.dtype, k.dtype, v.dtype)
-    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "the head dim must be contiguous"
+    B, Hq, Hkv, D = check_dense_kv(q, k, v, lengths, block_n=block_n)
+    L_cap = k.shape[2]
     assert lengths.shape == (B,) and not lengths.is_floating_point(), f"lengths must be (B,) int, got {lengths.shape}"
-    assert q.device == k.device == v.device == lengths.device, "all tensors on one device"
-    assert block_n >= 16 and block_n & (block_n - 1) == 0, "block_n: a power of 2 >= 16 (tl.dot)"
 
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
     split_len = split_len or default_split_len(B, L_cap, q.device, block_n)

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .. import empty, triton_interpreted
-from .._triton import LN2, LOG2E, merge_splits
+from .._triton import LN2, LOG2E, check_dense_kv, merge_splits
 from .._triton import dot as _dot
 from ..decode_attention.fused import _sm_count
 
@@ -88,21 +88,10 @@ def default_split_len(B: int, Hkv: int, N: int, device: torch.device, block_n: i
 
 def launch(q, k, v, index, scale=None, return_lse=False, split_len=None, block_n=32):
     """gathered_attention with the launch parameters exposed (tests use them to force splits)."""
-    assert q.dim() == 3 and k.dim() == 4, f"want q (B, Hq, D), k (B, Hkv, L, D); got {tuple(q.shape)}, {tuple(k.shape)}"
-    B, Hq, D = q.shape
-    _, Hkv, _, _ = k.shape
-    assert k.shape == v.shape and k.shape[0] == B and k.shape[3] == D, \
-        f"k {tuple(k.shape)} and v {tuple(v.shape)} must be (B, Hkv, L, D) for q {tuple(q.shape)}"
-    assert Hq % Hkv == 0, f"query heads {Hq} must be a multiple of KV heads {Hkv}"
+    B, Hq, Hkv, D = check_dense_kv(q, k, v, index, block_n=block_n)
     assert index.dim() == 3 and index.shape[:2] == (B, Hkv) and not index.is_floating_point(), \
         f"index must be (B={B}, Hkv={Hkv}, N) int, got {tuple(index.shape)} {index.dtype}"
     assert index.stride(-1) == 1, "index rows must be contiguous"
-    assert q.dtype == k.dtype == v.dtype, f"one dtype for q, k, v, got {q.dtype}, {k.dtype}, {v.dtype}"
-    assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), q.dtype
-    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "the head dim must be contiguous"
-    assert q.device == k.device == v.device == index.device, "all tensors on one device"
-    assert q.is_cuda or triton_interpreted(), "triton backend: tensors must be on a CUDA device"
-    assert block_n >= 16 and block_n & (block_n - 1) == 0, "block_n: a power of 2 >= 16 (tl.dot)"
 
     N = index.shape[2]
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
