@@ -59,8 +59,9 @@ class Linear(nn.Linear):
         w, threads = self.weight, torch.get_num_threads()
         if threads == 1 or x.device.type != "cpu" or x.numel() != x.shape[-1] or w.shape[0] % threads:
             return F.linear(x, w, self.bias)
-        # x (..., in) one row: (1, in) @ (threads, in, out / threads) -> (threads, 1, out / threads)
-        y = torch.matmul(x.reshape(1, -1), self.blocks(threads)).view(*x.shape[:-1], -1)
+        # x (..., in) one row: its leading dims of 1 broadcast against the blocks,
+        # (threads, in, out / threads) -> (threads, 1, out / threads), the blocks in output order
+        y = torch.matmul(x, self.blocks(threads)).view(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias
 
     def blocks(self, threads: int) -> torch.Tensor:

@@ -99,6 +99,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     rotary_dim = cos.shape[-1]
     if rotary_dim < x.shape[-1]:  # partial rotary (Pythia): the channels past it pass through
         return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
-    xf = x.float()  # (no op, and no copy, for float32: a decode step calls this 60 times)
-    rotated = xf * cos + rotate_half(xf) * sin
-    return rotated.to(x.dtype)
+    if x.dtype == torch.float32:  # (no casts to dispatch: a decode step calls this 60 times)
+        return x * cos + rotate_half(x) * sin
+    xf = x.float()
+    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)

@@ -136,14 +136,20 @@ def config_sha256(cfg) -> str:
 
 
 def weights_sha256(model_dir: Path) -> str:
-    """SHA-256 over the model's safetensors files, in name order."""
+    """SHA-256 over the model's tensors: name, dtype, shape and bytes, in name order. Not over
+    the files: safetensors writes its header's metadata in no fixed order, so two imports of
+    the same GGUF differ in bytes while every tensor is equal."""
+    from safetensors import safe_open
+
     from ..loading import safetensors_files
 
     h = hashlib.sha256()
     for file in safetensors_files(Path(model_dir)):
-        with open(file, "rb") as f:
-            for block in iter(lambda: f.read(1 << 24), b""):
-                h.update(block)
+        with safe_open(str(file), "pt") as f:
+            for name in sorted(f.keys()):
+                t = f.get_tensor(name)
+                h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+                h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -5,7 +5,7 @@ import torch
 
 from minikv.config import ModelConfig
 from minikv.policies.synckv_clusters import (SimilarityMeter, cluster_layer, find_clustering, kmeans, make_document,
-                                             overlap)
+                                             overlap, weights_sha256)
 
 
 def test_overlap_coefficient_eq1():
@@ -81,3 +81,21 @@ def test_document_round_trip_and_lookup(tmp_path):
     path.write_text("{}")
     with pytest.raises(ValueError, match="not a SyncKV clustering file"):
         find_clustering(cfg, 2, str(path))
+
+
+def test_weights_digest_is_over_the_tensors_not_the_file_bytes(tmp_path):
+    """Two imports of the same weights differ in the safetensors header (its metadata has no
+    fixed order): the digest sees only names, dtypes, shapes and values."""
+    from safetensors.torch import save_file
+
+    tensors = {"b.weight": torch.arange(6.0).view(2, 3), "a.weight": torch.ones(4, dtype=torch.bfloat16)}
+    digests = []
+    for name, meta in [("one", {"format": "pt", "source": "x"}), ("two", {"source": "y"})]:
+        (tmp_path / name).mkdir()
+        save_file(tensors, str(tmp_path / name / "model.safetensors"), metadata=meta)
+        digests.append(weights_sha256(tmp_path / name))
+    assert digests[0] == digests[1]
+    (tmp_path / "three").mkdir()
+    save_file({**tensors, "a.weight": torch.full((4,), 2.0, dtype=torch.bfloat16)},
+              str(tmp_path / "three" / "model.safetensors"))
+    assert weights_sha256(tmp_path / "three") != digests[0]
