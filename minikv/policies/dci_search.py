@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 
 from ..kernels.dci_scores import dci_scores
-from ..kernels.dci_scores.reference import ranked
+from ..kernels.dci_scores.reference import float_order, ranked
 
 CLOSEST = 128  # projections a node's scan scores per step before it checks its stop (M-DCI's CLOSEST)
 
@@ -216,12 +216,6 @@ def closest_per_node(x: torch.Tensor, twice_pq: torch.Tensor, start: torch.Tenso
     a = cs.gather(2, last) - torch.where(start > 0, 1, 0)[:, None] * before  # window start of each point's node
     i = i[:, None]
     return (i >= a) & (i < a + m[:, None])
-
-
-def float_order(x: torch.Tensor) -> torch.Tensor:
-    """float32 -> int64 in [0, 2**32) with the same order (the float's bits, negatives flipped)."""
-    bits = (x.float() + 0.0).contiguous().view(torch.int32).long()  # + 0.0: -0.0 becomes 0.0
-    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) + 2**31
 
 
 def node_windows(x: torch.Tensor, node_of: torch.Tensor, start: torch.Tensor, size: torch.Tensor,

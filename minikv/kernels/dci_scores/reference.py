@@ -32,6 +32,12 @@ import torch
 SORT_BELOW = 128
 
 
+def float_order(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> int64 in [0, 2**32) with the same order (the float's bits, negatives flipped)."""
+    bits = (x.float() + 0.0).contiguous().view(torch.int32).long()  # + 0.0: -0.0 becomes 0.0
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) + 2**31
+
+
 def stable_topk(values: torch.Tensor, k: int) -> torch.Tensor:
     """values (..., N) float32 -> (..., k) int64 positions of the k largest, descending, ties to
     the lower position: what a stable descending sort would put first, without sorting all N. The
@@ -41,9 +47,7 @@ def stable_topk(values: torch.Tensor, k: int) -> torch.Tensor:
     assert N < 2**24, f"stable_topk handles fewer than 2**24 values per row, got {N}"
     if N <= SORT_BELOW:  # short rows: one stable sort costs less than the integer keys' few passes
         return values.sort(dim=-1, descending=True, stable=True).indices[..., :k].contiguous()
-    bits = (values.float() + 0.0).contiguous().view(torch.int32).long()  # + 0.0: -0.0 becomes 0.0
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # monotone in the float's value
-    key = ordered * 2**24 + (2**24 - 1 - torch.arange(N, device=values.device))
+    key = float_order(values) * 2**24 + (2**24 - 1 - torch.arange(N, device=values.device))
     return key.topk(k, dim=-1).indices
 
 
