@@ -49,26 +49,12 @@ def safetensors_files(path: Path) -> list[Path]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
 
 
-def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
-    """True when the CPU multiplies bfloat16 in hardware (x86 flags avx512_bf16 or amx_bf16, as
-    Linux lists them in /proc/cpuinfo). Without them (AVX2 only, say) oneDNN converts bfloat16 to
-    float32 in software: half the bytes, but slower matmuls."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:  # not Linux: no way to tell, keep float32
-            return False
-    flags = set(cpuinfo.split())
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
-
-
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bfloat16 on CUDA, and on CPUs with native bfloat16 (decoding reads half the bytes);
-    float32 on other CPUs, where bfloat16 decodes 1.2x slower and prefills 6x slower (measured
-    on an AVX2 machine, README "Speed")."""
-    if device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16()):
-        return torch.bfloat16
-    return torch.float32
+    """bfloat16 on CUDA; float32 on the CPU, where bfloat16 decodes slower even on a CPU with
+    native bfloat16 dot products (AVX512-BF16: 1.3x slower eager, 1.0-1.2x compiled; on AVX2 it
+    is converted in software, 1.2x slower), though it prefills 1.8x faster there: `--dtype
+    bfloat16` for long prompts and short answers (README, "Speed")."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def matvec_layout(w: torch.Tensor) -> torch.Tensor:
@@ -104,8 +90,12 @@ def resolve_device(device=None) -> torch.device:
     return dev
 
 
-def load_model(path: str | Path, device=None, dtype=None) -> DecoderLM:
-    """The model of a Hugging Face style safetensors directory (no tokenizer: see load())."""
+def load_model(path: str | Path, device=None, dtype=None, compile: bool = False) -> DecoderLM:
+    """The model of a Hugging Face style safetensors directory (no tokenizer: see load()).
+
+    compile=True: decode steps run compiled (models/compiled.py; some 20 s the first time, then
+    read from inductor's cache), with the weights row-major, the layout its matrix-vector loop
+    reads best. Where torch.compile cannot run, a line on stderr says so and decoding is eager."""
     path = Path(path)
     check_model_dir(path)
     cfg = ModelConfig.from_json(path)
@@ -134,7 +124,8 @@ def load_model(path: str | Path, device=None, dtype=None) -> DecoderLM:
                         f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, "
                         f"config.json implies {tuple(expected[name])}"
                     )
-                state[name] = matvec_layout(tensor.to(dtype))
+                tensor = tensor.to(dtype)
+                state[name] = tensor if compile else matvec_layout(tensor)
     missing = sorted(set(expected) - set(state))
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
@@ -142,7 +133,10 @@ def load_model(path: str | Path, device=None, dtype=None) -> DecoderLM:
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight  # assign=True replaced the tied parameter
-    return model.eval()
+    model.eval()
+    if compile:
+        model.compile_decode()
+    return model
 
 
 # -- GGUF import -------------------------------------------------------------------------------
@@ -351,18 +345,18 @@ def has_tokenizer(path: Path) -> bool:
             or ((path / "vocab.json").is_file() and (path / "merges.txt").is_file()))
 
 
-def load(name_or_path: str | Path, device=None, dtype=None, progress: bool = True):
+def load(name_or_path: str | Path, device=None, dtype=None, progress: bool = True, compile: bool = False):
     """model, tokenizer = load("smollm2") or load("path/to/hf_dir") or load("file.gguf").
 
     A directory without tokenizer files is refused before any weight is read;
-    load_model(path) loads such a model alone."""
+    load_model(path) loads such a model alone. compile: see load_model."""
     from .tokenizer import load_tokenizer
 
     path = resolve(name_or_path, progress)
     if not has_tokenizer(path):
         raise FileNotFoundError(f"no tokenizer in {path} (looked for {', '.join(TOKENIZER_FILES)}); "
                                 f"minikv.load_model({str(path)!r}) loads the model without one")
-    model = load_model(path, device=device, dtype=dtype)
+    model = load_model(path, device=device, dtype=dtype, compile=compile)
     return model, load_tokenizer(path)
 
 

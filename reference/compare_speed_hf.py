@@ -51,6 +51,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--compile", action="store_true", help="also run minikv's compiled decode step")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -60,13 +61,19 @@ def main() -> None:
     gguf = smollm2_gguf_path()
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     model, tok = minikv.load("smollm2", device="cpu", dtype=torch.float32)
+    models = {"minikv": model}
+    if args.compile:  # the compiled decode step beside the eager one (models/compiled.py)
+        models["minikv-compiled"] = minikv.load("smollm2", device="cpu", dtype=torch.float32, compile=True)[0]
     ids = text_ids(tok, args.prompt_tokens)
     ids_t = torch.tensor([ids])
-    hf_run(hf, ids_t, 4), minikv_run(model, tok, ids, 4)  # warm-up
-    runs = {"hf": [], "minikv": []}
-    for _ in range(args.repeats):  # interleaved, so machine noise hits both alike
+    hf_run(hf, ids_t, 4)  # warm-up
+    for m in models.values():
+        minikv_run(m, tok, ids, 4)
+    runs = {"hf": [], **{name: [] for name in models}}
+    for _ in range(args.repeats):  # interleaved, so machine noise hits all alike
         runs["hf"].append(hf_run(hf, ids_t, args.new_tokens))
-        runs["minikv"].append(minikv_run(model, tok, ids, args.new_tokens))
+        for name, m in models.items():
+            runs[name].append(minikv_run(m, tok, ids, args.new_tokens))
     med = {k: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v)) for k, v in runs.items()}
     import transformers
 
@@ -75,8 +82,9 @@ def main() -> None:
     print(f"{'':<10} {'prefill s':>10} {'TPOT ms':>9} {'tok/s':>7}")
     for name, (pre, tpot) in med.items():
         print(f"{name:<10} {pre:>10.3f} {1000 * tpot:>9.2f} {1 / tpot:>7.1f}")
-    print(f"minikv / hf decode tokens/s: {med['hf'][1] / med['minikv'][1]:.2f}x; "
-          f"prefill speed: {med['hf'][0] / med['minikv'][0]:.2f}x")
+    for name in models:
+        print(f"{name} / hf decode tokens/s: {med['hf'][1] / med[name][1]:.2f}x; "
+              f"prefill speed: {med['hf'][0] / med[name][0]:.2f}x")
 
 
 if __name__ == "__main__":

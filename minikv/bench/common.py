@@ -1,6 +1,6 @@
 """Helpers the benchmarks share: the common flags, the model, the long text, tables, --json.
 
-    add_common_arguments(parser)   --model --device --dtype --threads --json
+    add_common_arguments(parser)   --model --device --dtype --threads --json --compile
     model, tok = load_model(args)  the model (and tokenizer) those flags name
     text_ids(tok, n)               the first n tokens of the standard library's pydoc_data.topics
     print_table(rows, columns)     a plain text table; columns: (header, key, format)
@@ -23,6 +23,8 @@ def add_common_arguments(p) -> None:
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the loader's choice)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the numbers to this JSON file")
+    p.add_argument("--compile", action="store_true",
+                   help="decode with the compiled step (torch.compile; README, Speed)")
 
 
 def load_model(args):
@@ -31,7 +33,7 @@ def load_model(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    return load(args.model, device=args.device, dtype=args.dtype, progress=False)
+    return load(args.model, device=args.device, dtype=args.dtype, progress=False, compile=args.compile)
 
 
 def long_text() -> str:

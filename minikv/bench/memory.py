@@ -47,6 +47,7 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", default=None, help="write the numbers to this file")
+    p.add_argument("--compile", action="store_true", help="decode with the compiled step (torch.compile; README, Speed)")
 
 
 def run_one(model, tok, spec, args, relevance_log=None) -> dict:
@@ -128,7 +129,7 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     specs = ["full"] + (args.policy or ["softfreeze"])
-    model, tok = load(args.model, device=args.device, dtype=args.dtype)
+    model, tok = load(args.model, device=args.device, dtype=args.dtype, compile=args.compile)
     runs: dict[str, list[dict]] = {spec: [] for spec in specs}
     relevance: list[torch.Tensor] = []
     for i in range(args.repeats):  # alternate, so that machine noise hits every policy alike

@@ -211,13 +211,15 @@ def run(args) -> int:
     if args.png:
         plot_context(rows, policies, args.png, title=f"{args.model}, {environment_line(model)}, {args.new_tokens} new tokens")
     write_json(args.json, {"benchmark": "speed", "model": args.model, "new_tokens": args.new_tokens,
-                           "baseline": base, "read_bandwidth_gb_s": read_bw / 1e9, "rows": rows})
+                           "baseline": base, "read_bandwidth_gb_s": read_bw / 1e9,
+                           "compiled": model.compiled is not None, "rows": rows})
     return 0
 
 
 def environment_line(model) -> str:
     where = "CUDA" if model.device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    return f"{str(model.dtype).replace('torch.', '')}, {where}"
+    compiled = ", compiled decode step" if model.compiled is not None else ""
+    return f"{str(model.dtype).replace('torch.', '')}, {where}{compiled}"
 
 
 def plot_context(rows: list[dict], policies: list[str], path: str, title: str) -> None:

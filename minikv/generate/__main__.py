@@ -56,7 +56,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=None, help="random seed: same seed, same text")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence (benchmarks)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on CUDA and on CPUs with native bfloat16, else float32)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on the CPU)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the decode step with torch.compile: faster per token, some 20 s to compile the "
+                        "first time (then cached), needs a C++ compiler (README, Speed)")
     p.add_argument("--threads", type=int, default=DEFAULT_THREADS,
                    help="torch CPU threads (default: %(default)s; on cores shared with other busy processes more "
                         "threads can make decoding many times slower, see the README)")
@@ -172,7 +175,7 @@ def main(argv=None) -> int:
     from ..loading import load
     from ..progress import progress_bar
 
-    model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
+    model, tokenizer = load(args.model, device=args.device, dtype=args.dtype, compile=args.compile)
     printer = StreamPrinter(tokenizer, enabled=not args.json)
     bar = None
 

@@ -20,6 +20,15 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.compiled = None  # a CompiledDecode after compile_decode()
+
+    def compile_decode(self) -> bool:
+        """Compile the blocks' work around the policy and the output head for decode steps
+        (compiled.py). False, with a line on stderr, where torch.compile cannot run here."""
+        from .compiled import compile_decode
+
+        self.compiled = compile_decode(self)
+        return self.compiled is not None
 
     @property
     def device(self) -> torch.device:
@@ -52,14 +61,21 @@ class DecoderLM(nn.Module):
         cos, sin = self.rope.cos_sin(rope_positions.clamp(min=0))  # (B, T, rotary_dim)
         rope = (cos[:, None], sin[:, None])  # broadcast over heads
         x = self.embed(input_ids)  # (B, T, C)
+        compiled = self.compiled if decoding else None
         for i, block in enumerate(self.blocks):
             layer_kv = policy.layer(i) if policy is not None else None
-            x = block(x, positions, rope, layer_kv, decoding)
+            if compiled is not None:
+                x = compiled.block(block, x, positions, rope, layer_kv)
+            else:
+                x = block(x, positions, rope, layer_kv, decoding)
             if progress is not None:
                 progress(i + 1, len(self.blocks))
         if logits_at is not None:
             x = x[torch.arange(B, device=x.device), logits_at]  # (B, C)
-        logits = self.lm_head(self.final_norm(x)).float()
+        if self.compiled is not None and logits_at is not None:  # one row per sequence
+            logits = self.compiled.head(self.final_norm, self.lm_head, x)
+        else:
+            logits = self.lm_head(self.final_norm(x)).float()
         if policy is not None:
             # per-step bookkeeping sees the next-token distribution (entropy-guided recovery)
             policy.last_action = policy.end_step(logits if logits.dim() == 2 else logits[:, -1])

@@ -9,6 +9,7 @@ import torch.nn as nn
 from ..config import ModelConfig
 from .decoder import DecoderLM
 from .layers import Linear, PlainMLP, attend, merge_heads
+from .rope import apply_rotary
 
 
 class GPTNeoXAttention(nn.Module):
@@ -19,13 +20,13 @@ class GPTNeoXAttention(nn.Module):
         self.query_key_value = Linear(C, 3 * C, bias=cfg.attention_bias)
         self.dense = Linear(C, C, bias=cfg.attention_out_bias)
 
-    def forward(self, x, positions, rope, layer_kv, decoding):
-        # x (B, T, C). The fused output is per head [q | k | v], not [all q | all k | all v].
+    def project(self, x, rope):
+        # x (B, T, C) -> q, k, v (B, H, T, D), q and k rotated at `rope`. The fused output is
+        # per head [q | k | v], not [all q | all k | all v].
         B, T, _ = x.shape
         qkv = self.query_key_value(x).view(B, T, self.cfg.n_heads, 3 * self.cfg.head_dim)
         q, k, v = qkv.transpose(1, 2).chunk(3, dim=-1)  # each (B, H, T, D)
-        y = attend(q, k, v, positions, rope, layer_kv, None, decoding)
-        return self.dense(merge_heads(y))
+        return apply_rotary(q, *rope), apply_rotary(k, *rope), v
 
 
 class GPTNeoXBlock(nn.Module):
@@ -37,8 +38,18 @@ class GPTNeoXBlock(nn.Module):
         self.attention = GPTNeoXAttention(cfg)
         self.mlp = PlainMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
+    # project -> the policy's attention -> finish, as in llama.py's block
     def forward(self, x, positions, rope, layer_kv, decoding):
-        attn = self.attention(self.input_layernorm(x), positions, rope, layer_kv, decoding)
+        q, k, v = self.project(x, rope)
+        return self.finish(x, attend(q, k, v, positions, layer_kv, None, decoding))
+
+    def project(self, x, rope):
+        # x (B, T, C) -> q, k, v (B, H, T, D)
+        return self.attention.project(self.input_layernorm(x), rope)
+
+    def finish(self, x, y):
+        # x (B, T, C), y (B, H, T, D) attention's output -> (B, T, C)
+        attn = self.attention.dense(merge_heads(y))
         if self.parallel:
             return x + attn + self.mlp(self.post_attention_layernorm(x))
         x = x + attn

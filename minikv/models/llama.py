@@ -11,6 +11,7 @@ import torch.nn as nn
 from ..config import ModelConfig
 from .decoder import DecoderLM
 from .layers import GatedMLP, Linear, RMSNorm, StackedLinear, attend, merge_heads, split_heads, stacked_in
+from .rope import apply_rotary
 
 
 class LlamaAttention(nn.Module):
@@ -24,14 +25,13 @@ class LlamaAttention(nn.Module):
         stacked_in(self, "qkv_proj")
         self.o_proj = Linear(cfg.n_heads * D, C, bias=cfg.attention_out_bias)
 
-    def forward(self, x, positions, rope, layer_kv, decoding):
-        # x (B, T, C) -> (B, T, C)
+    def project(self, x, rope):
+        # x (B, T, C) -> q (B, Hq, T, D), k, v (B, Hkv, T, D); q and k rotated at `rope`
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # (B, T, Hq * D), (B, T, Hkv * D) x 2
         q = split_heads(q, self.cfg.n_heads)  # (B, Hq, T, D)
         k = split_heads(k, self.cfg.n_kv_heads)  # (B, Hkv, T, D)
         v = split_heads(v, self.cfg.n_kv_heads)  # (B, Hkv, T, D)
-        y = attend(q, k, v, positions, rope, layer_kv, self.cfg.sliding_window, decoding)
-        return self.o_proj(merge_heads(y))
+        return apply_rotary(q, *rope), apply_rotary(k, *rope), v
 
 
 class LlamaBlock(nn.Module):
@@ -42,8 +42,21 @@ class LlamaBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias)
 
+    # A block is three steps: `project` (norm, q/k/v, RoPE), the policy's attention, `finish`
+    # (output projection, residual, MLP). The first and last are pure functions of tensors, so a
+    # compiled decode step (compiled.py) can compile them and leave the policy's Python eager.
     def forward(self, x, positions, rope, layer_kv, decoding):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, layer_kv, decoding)
+        q, k, v = self.project(x, rope)
+        y = attend(q, k, v, positions, layer_kv, self.self_attn.cfg.sliding_window, decoding)
+        return self.finish(x, y)
+
+    def project(self, x, rope):
+        # x (B, T, C) -> q (B, Hq, T, D), k, v (B, Hkv, T, D)
+        return self.self_attn.project(self.input_layernorm(x), rope)
+
+    def finish(self, x, y):
+        # x (B, T, C), y (B, Hq, T, D) attention's output -> (B, T, C)
+        x = x + self.self_attn.o_proj(merge_heads(y))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

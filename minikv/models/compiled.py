@@ -1,0 +1,65 @@
+"""A compiled decode step: what every block does around the policy, compiled with torch.compile.
+
+A decode step feeds one token through the model. Per layer that is a handful of matrix-vector
+products and some fifty small operations (norms, views, RoPE, residuals, the MLP's gate), each
+a few microseconds of Python and dispatch, and all of them on one thread. Compiling removes
+most of it: a block's `project` (norm, q/k/v, RoPE) and `finish` (output projection, residual,
+norm, MLP, residual) each become one call into code that inductor generated, and the one-row
+products inside them are written as multiply-and-sum (layers.matvec), which inductor emits as
+a loop over the weight's rows split over the threads, reading the weights faster than MKL's
+one-row SGEMM. The policy's attention stays eager between the two: policies are Python with
+counters and data-dependent choices, and every policy runs unchanged.
+
+`dynamic=True`: one compiled graph serves every layer, every step and every batch size; the
+first compile takes some 20 s on a 2-core CPU (inductor's own start, a C++ compiler run),
+later processes read inductor's disk cache. Opt in with `load(..., compile=True)` or
+`--compile`; README "Speed" has the measurements.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def _head(final_norm, lm_head, x):
+    # x (B, C) -> logits (B, V) float32
+    return lm_head(final_norm(x)).float()
+
+
+class CompiledDecode:
+    """The compiled `project`, `finish` and output head of one model, checked on a dummy step
+    when built (so that a missing C++ compiler shows at load time, not halfway through a step
+    whose K/V the policy has already stored)."""
+
+    def __init__(self, model):
+        block = type(model.blocks[0])
+        self.project = torch.compile(block.project, dynamic=True)
+        self.finish = torch.compile(block.finish, dynamic=True)
+        self.head = torch.compile(_head, dynamic=True)
+        self.warm_up(model)
+
+    @torch.inference_mode()
+    def warm_up(self, model) -> None:
+        cfg, block = model.cfg, model.blocks[0]
+        x = torch.zeros(1, 1, cfg.hidden_size, dtype=model.dtype, device=model.device)
+        cos = torch.ones(1, 1, 1, cfg.rotary_dim, device=model.device)
+        q, _, _ = self.project(block, x, (cos, torch.zeros_like(cos)))
+        self.finish(block, x, torch.zeros_like(q))
+        self.head(model.final_norm, model.lm_head, x[:, 0])
+
+    def block(self, block, x, positions, rope, layer_kv):
+        # one decode step of one block: x (B, 1, C) -> (B, 1, C)
+        q, k, v = self.project(block, x, rope)
+        return self.finish(block, x, layer_kv.decode(q, k, v, positions))
+
+
+def compile_decode(model) -> CompiledDecode | None:
+    """The model's compiled decode step, or None (with one line on stderr saying why) where
+    torch.compile cannot run, e.g. without a C++ compiler: decoding then stays eager."""
+    try:
+        return CompiledDecode(model)
+    except Exception as e:  # inductor reports a missing compiler and the like as many types
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"minikv: torch.compile failed ({reason[:200]}); decoding eagerly", file=sys.stderr)
+        return None

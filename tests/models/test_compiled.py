@@ -1,0 +1,127 @@
+"""The compiled decode step (models/compiled.py): the same logits as the eager step, for every
+family and policy shape, with compiled code really running, and an eager fallback where
+torch.compile cannot run."""
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+import minikv
+from minikv.loading import load_model
+from minikv.models import compiled as compiled_module
+from minikv.models.layers import matvec
+from minikv.policies import make
+
+from ..fixtures import ITEMS_PROMPT, greedy_logits
+
+MODELS = Path(__file__).resolve().parents[2] / "reference" / "models"
+RANDOM = sorted(p.name for p in MODELS.iterdir() if p.name != "smollm2" and (p / "config.json").exists())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def room_for_every_config():
+    # one graph per model config: this file compiles more configs than dynamo's default limit
+    # of 8, past which it would quietly run the functions eagerly
+    with torch._dynamo.config.patch(recompile_limit=64):
+        yield
+
+
+@pytest.fixture(scope="module")
+def compiled_smollm2():
+    model, tok = minikv.load("smollm2", device="cpu", dtype=torch.float32, progress=False, compile=True)
+    assert model.compiled is not None
+    return model, tok
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matvec_equals_linear(dtype):
+    torch.manual_seed(0)
+    w, b, x = torch.randn(37, 61, dtype=dtype), torch.randn(37, dtype=dtype), torch.randn(1, 1, 61, dtype=dtype)
+    want = F.linear(x.float(), w.float(), b.float())
+    got = matvec(x, w, b)
+    assert got.shape == (1, 1, 37) and got.dtype == dtype
+    assert (got.float() - want).abs().max().item() <= (1e-5 if dtype == torch.float32 else 0.1)
+
+
+@pytest.mark.parametrize("name", RANDOM)
+def test_compiled_decode_equals_transformers_logits(name):
+    """Every family (GQA, q/k/v bias, sliding window, scaled RoPE, partial rotary, parallel
+    residual), a batch of rows: prefill 7 tokens, then compiled decode steps; every step's logits
+    equal transformers' to 1e-4, as the eager decode's do (test_logits)."""
+    ref = load_file(str(MODELS / name / "expected.safetensors"))
+    model = load_model(MODELS / name, device="cpu", dtype=torch.float32, compile=True)
+    assert model.compiled is not None
+    ids = ref["input_ids"]
+    B, T = ids.shape
+    policy = make("full").bind(model.cfg, device="cpu", dtype=torch.float32, max_len=T, batch_size=B)
+    steps = [model(ids[:, :7], policy=policy)]
+    for t in range(7, T):
+        steps.append(model(ids[:, t : t + 1], positions=torch.full((B, 1), t), policy=policy))
+    assert (torch.cat(steps, dim=1) - ref["logits"]).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("spec", ["full", "streaming:sink=4,window=60", "freekv:budget=128"])
+def test_compiled_smollm2_follows_the_eager_model_under_a_policy(smollm2, compiled_smollm2, spec):
+    """Same prompt, same policy: the compiled model's logits at every decode step equal the eager
+    model's (float32 sums in another order: ~1e-5 on logits of order 10-30), and the policy saw
+    the same tokens (streaming renumbers positions, freekv selects pages from q)."""
+    model, tok = smollm2
+    ids = torch.tensor([tok.encode(ITEMS_PROMPT)])
+    eager, eager_policy = greedy_logits(model, ids, spec, steps=6)
+    comp, comp_policy = greedy_logits(compiled_smollm2[0], ids, spec, steps=6)
+    assert (eager.argmax(-1) == comp.argmax(-1)).all()
+    assert (eager - comp).abs().max().item() <= 1e-3
+    assert eager_policy.stats()["device_tokens"] == comp_policy.stats()["device_tokens"]
+
+
+def test_compiled_code_runs_the_products(compiled_smollm2):
+    """A one-token decode step calls compiled graphs and no eager linear or matmul: the products
+    ran inside inductor's code, not in MKL called from Python."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, tok = compiled_smollm2
+    ids = torch.tensor([tok.encode("The capital of France is")])
+    policy = make("full").bind(model.cfg, device="cpu", dtype=torch.float32, max_len=ids.shape[1] + 2)
+    logits = model(ids, policy=policy, logits_at=torch.tensor([ids.shape[1] - 1]))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        model(logits.argmax(-1)[:, None], positions=torch.tensor([[ids.shape[1]]]), policy=policy,
+              logits_at=torch.tensor([0]))
+    names = [e.key for e in prof.key_averages()]
+    assert sum("CompiledFxGraph" in n for n in names) >= 2
+    assert not {"aten::linear", "aten::mm", "aten::matmul", "aten::bmm"} & set(names)
+
+
+def test_generate_cli_compile_prints_what_the_eager_model_does(smollm2, monkeypatch, capsys):
+    from minikv.generate.__main__ import main
+
+    argv = ["--prompt", "The capital of France is", "--max-new-tokens", "6", "--quiet", "--threads", "1"]
+    threads = torch.get_num_threads()
+    try:
+        assert main(argv) == 0
+        eager = capsys.readouterr().out
+        assert main(argv + ["--compile"]) == 0
+        assert capsys.readouterr().out == eager
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_without_a_working_compiler_decoding_stays_eager(monkeypatch, capsys):
+    def broken_compile(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore detail")
+        return run
+
+    monkeypatch.setattr(compiled_module.torch, "compile", broken_compile)
+    model = load_model(MODELS / "llama_gqa3", device="cpu", dtype=torch.float32, compile=True)
+    err = capsys.readouterr().err
+    assert model.compiled is None
+    assert err.count("\n") == 1 and "No working C++ compiler found" in err and "decoding eagerly" in err
+    ref = load_file(str(MODELS / "llama_gqa3" / "expected.safetensors"))
+    ids = ref["input_ids"][:1]
+    policy = make("full").bind(model.cfg, device="cpu", dtype=torch.float32, max_len=ids.shape[1])
+    steps = [model(ids[:, :7], policy=policy)]
+    for t in range(7, ids.shape[1]):
+        steps.append(model(ids[:, t : t + 1], positions=torch.tensor([[t]]), policy=policy))
+    assert (torch.cat(steps, dim=1) - ref["logits"][:1]).abs().max().item() <= 1e-4
