@@ -4,7 +4,8 @@
 model.safetensors.index.json names). The model is built on the meta device and each tensor is
 read from the memory-mapped file straight into its parameter (`assign=True`), so weights are
 never held twice. On the CPU each matrix is stored column-major (`matvec_layout`): one copy per
-tensor, made as it is read, for 1.4x faster matrix-vector products in decoding.
+tensor, made as it is read, for 1.4x faster matrix-vector products in eager decoding (MKL's);
+a model loaded with compile=True keeps them row-major, as its compiled products read them.
 
 `import_gguf(path)` converts a llama-architecture GGUF (the bundled SmolLM2 is one) into such a
 directory once, in a cache folder, and later calls reuse it. GGUF needs three undoings:
@@ -51,9 +52,9 @@ def safetensors_files(path: Path) -> list[Path]:
 
 def default_dtype(device: torch.device) -> torch.dtype:
     """bfloat16 on CUDA; float32 on the CPU, where bfloat16 decodes slower even on a CPU with
-    native bfloat16 dot products (AVX512-BF16: 1.3x slower eager, 1.0-1.2x compiled; on AVX2 it
-    is converted in software, 1.2x slower), though it prefills 1.8x faster there: `--dtype
-    bfloat16` for long prompts and short answers (README, "Speed")."""
+    native bfloat16 dot products (AVX512-BF16: 1.3-1.4x slower eager, 1.2x compiled; on AVX2,
+    converted in software, 1.2x), though it prefills 1.7-1.9x faster there: `--dtype bfloat16`
+    for long prompts and short answers (README, "Speed")."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 

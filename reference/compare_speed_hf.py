@@ -79,9 +79,9 @@ def main() -> None:
 
     print(f"SmolLM2-135M float32 CPU, torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.get_num_threads()} threads, prompt {args.prompt_tokens}, {args.new_tokens} new tokens")
-    print(f"{'':<10} {'prefill s':>10} {'TPOT ms':>9} {'tok/s':>7}")
+    print(f"{'':<16} {'prefill s':>10} {'TPOT ms':>9} {'tok/s':>7}")
     for name, (pre, tpot) in med.items():
-        print(f"{name:<10} {pre:>10.3f} {1000 * tpot:>9.2f} {1 / tpot:>7.1f}")
+        print(f"{name:<16} {pre:>10.3f} {1000 * tpot:>9.2f} {1 / tpot:>7.1f}")
     for name in models:
         print(f"{name} / hf decode tokens/s: {med['hf'][1] / med[name][1]:.2f}x; "
               f"prefill speed: {med['hf'][0] / med[name][0]:.2f}x")
