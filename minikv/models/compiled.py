@@ -10,9 +10,9 @@ a loop over the weight's rows split over the threads, reading the weights faster
 one-row SGEMM. The policy's attention stays eager between the two: policies are Python with
 counters and data-dependent choices, and every policy runs unchanged.
 
-`dynamic=True`: one compiled graph serves every layer, every step and every batch size; the
-first compile takes some 20 s on a 2-core CPU (inductor's own start, a C++ compiler run),
-later processes read inductor's disk cache. Opt in with `load(..., compile=True)` or
+`dynamic=True`: one compiled graph serves every layer and every step (another batch size or
+model config compiles once more); the first compile takes some 20 s on a 2-core CPU (inductor's
+own start, a C++ compiler run), later processes read inductor's disk cache. Opt in with `load(..., compile=True)` or
 `--compile`; README "Speed" has the measurements.
 """
 from __future__ import annotations
