@@ -104,7 +104,7 @@ def visited_points(lay: LevelLayout, twice_pq: torch.Tensor, expanded: torch.Ten
     # where the running sum is 1
     marks = torch.zeros(B, G, n_l + 1, dtype=torch.int32)
     marks.scatter_add_(2, lo, opened).scatter_add_(2, hi, -opened)
-    return marks[:, :, :n_l].cumsum(2, dtype=torch.int32) > 0, int((opened * lay.m[:, None]).sum())
+    return marks.cumsum(2)[:, :, :n_l] > 0, int((opened * lay.m[:, None]).sum())
 
 
 def union_candidates(order: torch.Tensor, visit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
