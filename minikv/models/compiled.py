@@ -18,6 +18,7 @@ own start, a C++ compiler run), later processes read inductor's disk cache. Opt 
 from __future__ import annotations
 
 import sys
+import time
 
 import torch
 
@@ -56,10 +57,19 @@ class CompiledDecode:
 
 def compile_decode(model) -> CompiledDecode | None:
     """The model's compiled decode step, or None (with one line on stderr saying why) where
-    torch.compile cannot run, e.g. without a C++ compiler: decoding then stays eager."""
+    torch.compile cannot run, e.g. without a C++ compiler: decoding then stays eager. On a
+    terminal, a line says that compiling has begun and one how long it took."""
+    on_terminal = sys.stderr.isatty()
+    if on_terminal:
+        print("minikv: compiling the decode step (about 20 s the first time, a few once cached)", file=sys.stderr,
+              flush=True)
+    t0 = time.perf_counter()
     try:
-        return CompiledDecode(model)
+        compiled = CompiledDecode(model)
     except Exception as e:  # inductor reports a missing compiler and the like as many types
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"minikv: torch.compile failed ({reason[:200]}); decoding eagerly", file=sys.stderr)
         return None
+    if on_terminal:
+        print(f"minikv: decode step compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return compiled

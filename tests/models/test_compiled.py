@@ -1,6 +1,7 @@
 """The compiled decode step (models/compiled.py): the same logits as the eager step, for every
 family and policy shape, with compiled code really running, and an eager fallback where
 torch.compile cannot run."""
+import re
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,15 @@ def test_generate_cli_compile_prints_what_the_eager_model_does(smollm2, monkeypa
         assert capsys.readouterr().out == eager
     finally:
         torch.set_num_threads(threads)
+
+
+def test_compiling_says_so_on_a_terminal(monkeypatch, capsys):
+    monkeypatch.setattr(compiled_module.sys.stderr, "isatty", lambda: True)
+    model = load_model(MODELS / "llama_gqa3", device="cpu", dtype=torch.float32, compile=True)
+    lines = capsys.readouterr().err.splitlines()
+    assert model.compiled is not None and len(lines) == 2
+    assert lines[0].startswith("minikv: compiling the decode step")
+    assert re.fullmatch(r"minikv: decode step compiled in [\d.]+ s", lines[1])
 
 
 def test_without_a_working_compiler_decoding_stays_eager(monkeypatch, capsys):
