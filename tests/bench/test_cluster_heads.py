@@ -49,14 +49,22 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, args, message):
 @pytest.mark.slow
 def test_shipped_file_is_what_the_command_produces(tmp_path):
     """Re-run the command on the shipped file's own corpus (its documents, tokens per document,
-    steps and k: the paper's 50 x 1,000 tokens, 32 steps; about 18 minutes of one core): the same
-    model identity, the same similarity to 1e-6 and the same clusters and R-heads in every layer,
-    for every N_r. So the shipped file is reproducible, and the command deterministic."""
+    steps and k: the paper's 50 x 1,000 tokens, 32 steps; about 5-18 minutes of one core): the
+    same model identity, the same similarity up to one top-k membership per entry, and the same
+    clusters and R-heads in every layer, for every N_r. So the shipped file is reproducible.
+
+    A similarity entry is a mean over k x steps x documents of overlap counts, so it moves in
+    steps of 1/(k steps docs) (9.8e-6 here). On another CPU the float sums of attention run in
+    another order, and a near-tie between two tokens' scores can put the other one in a top-k
+    set: the shipped file, made on an AVX2 machine, and a rerun on an AVX-512 one differ by one
+    such step in 14 of the 90 pairs of KV heads (30 layers x 3), with the same clusterings."""
     shipped = json.loads(SHIPPED.read_text())
     c = shipped["corpus"]
     doc = run_cluster_heads(tmp_path, "again.json", "--docs", str(c["docs"]), "--doc-tokens", str(c["doc_tokens"]),
                       "--steps", str(c["steps"]), "--topk", str(c["topk"]), "--seed", str(shipped["seed"]))
     assert doc["model"] == shipped["model"] and doc["corpus"] == shipped["corpus"]
+    one_membership = 1 / (c["topk"] * c["steps"] * c["docs"])
     for mine, theirs in zip(doc["similarity"], shipped["similarity"]):
-        assert max(abs(x - y) for r1, r2 in zip(mine, theirs) for x, y in zip(r1, r2)) <= 1e-6
+        # + 1e-6: the file keeps six decimals
+        assert max(abs(x - y) for r1, r2 in zip(mine, theirs) for x, y in zip(r1, r2)) <= one_membership + 1e-6
     assert doc["clusterings"] == shipped["clusterings"]
