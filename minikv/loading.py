@@ -71,6 +71,15 @@ def matvec_layout(w: torch.Tensor) -> torch.Tensor:
     return w.t().contiguous().t()
 
 
+def fresh_copy(w: torch.Tensor) -> torch.Tensor:
+    """The same matrix, row-major, copied into memory of its own on the CPU: the compiled decode
+    step's products read a copy faster than the tensor safetensors hands out (SmolLM2's output
+    head, one thread: 4.0-4.1 ms against 4.9), as matvec_layout's copies are for the eager step."""
+    if w.device.type != "cpu" or w.dim() != 2:
+        return w
+    return w.clone(memory_format=torch.contiguous_format)
+
+
 def resolve_device(device=None) -> torch.device:
     """'cpu', 'cuda', 'cuda:N' or None (CUDA when present) -> a torch.device that exists here."""
     if device is None:
@@ -126,7 +135,7 @@ def load_model(path: str | Path, device=None, dtype=None, compile: bool = False)
                         f"config.json implies {tuple(expected[name])}"
                     )
                 tensor = tensor.to(dtype)
-                state[name] = tensor if compile else matvec_layout(tensor)
+                state[name] = fresh_copy(tensor) if compile else matvec_layout(tensor)
     missing = sorted(set(expected) - set(state))
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
