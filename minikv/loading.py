@@ -104,8 +104,8 @@ def load_model(path: str | Path, device=None, dtype=None, compile: bool = False)
     """The model of a Hugging Face style safetensors directory (no tokenizer: see load()).
 
     compile=True: decode steps run compiled (models/compiled.py; some 20 s the first time, then
-    read from inductor's cache), with the weights row-major, the layout its matrix-vector loop
-    reads best. Where torch.compile cannot run, a line on stderr says so and decoding is eager."""
+    read from inductor's cache), with each matrix copied row-major (fresh_copy), the layout its
+    matrix-vector loop reads best. Where torch.compile cannot run, a line on stderr says so and decoding is eager."""
     path = Path(path)
     check_model_dir(path)
     cfg = ModelConfig.from_json(path)

@@ -12,8 +12,8 @@ counters and data-dependent choices, and every policy runs unchanged.
 
 `dynamic=True`: one compiled graph serves every layer and every step (another batch size or
 model config compiles once more); the first compile takes some 20 s on a 2-core CPU (inductor's
-own start, a C++ compiler run), later processes read inductor's disk cache. Opt in with `load(..., compile=True)` or
-`--compile`; README "Speed" has the measurements.
+own start, a C++ compiler run), later processes read inductor's disk cache. Opt in with
+`load(..., compile=True)` or `--compile`; README "Speed" has the measurements.
 """
 from __future__ import annotations
 
