@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from .layers import attend
+
 
 def _head(final_norm, lm_head, x):
     # x (B, C) -> logits (B, V) float32
@@ -52,7 +54,7 @@ class CompiledDecode:
     def block(self, block, x, positions, rope, layer_kv):
         # one decode step of one block: x (B, 1, C) -> (B, 1, C)
         q, k, v = self.project(block, x, rope)
-        return self.finish(block, x, layer_kv.decode(q, k, v, positions))
+        return self.finish(block, x, attend(q, k, v, positions, layer_kv, decoding=True))
 
 
 def compile_decode(model) -> CompiledDecode | None:

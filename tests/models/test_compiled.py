@@ -36,6 +36,17 @@ def compiled_smollm2():
     return model, tok
 
 
+def prefill_then_decode(model, ids):
+    """ids (B, T): prefill the first 7 tokens under the full cache, then decode the rest one by
+    one -> the logits of every position (B, T, V)."""
+    B, T = ids.shape
+    policy = make("full").bind(model.cfg, device="cpu", dtype=torch.float32, max_len=T, batch_size=B)
+    steps = [model(ids[:, :7], policy=policy)]
+    for t in range(7, T):
+        steps.append(model(ids[:, t : t + 1], positions=torch.full((B, 1), t), policy=policy))
+    return torch.cat(steps, dim=1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matvec_equals_linear(dtype):
     torch.manual_seed(0)
@@ -54,13 +65,7 @@ def test_compiled_decode_equals_transformers_logits(name):
     ref = load_file(str(MODELS / name / "expected.safetensors"))
     model = load_model(MODELS / name, device="cpu", dtype=torch.float32, compile=True)
     assert model.compiled is not None
-    ids = ref["input_ids"]
-    B, T = ids.shape
-    policy = make("full").bind(model.cfg, device="cpu", dtype=torch.float32, max_len=T, batch_size=B)
-    steps = [model(ids[:, :7], policy=policy)]
-    for t in range(7, T):
-        steps.append(model(ids[:, t : t + 1], positions=torch.full((B, 1), t), policy=policy))
-    assert (torch.cat(steps, dim=1) - ref["logits"]).abs().max().item() <= 1e-4
+    assert (prefill_then_decode(model, ref["input_ids"]) - ref["logits"]).abs().max().item() <= 1e-4
 
 
 @pytest.mark.parametrize("spec", ["full", "streaming:sink=4,window=60", "freekv:budget=128"])
@@ -129,9 +134,4 @@ def test_without_a_working_compiler_decoding_stays_eager(monkeypatch, capsys):
     assert model.compiled is None
     assert err.count("\n") == 1 and "No working C++ compiler found" in err and "decoding eagerly" in err
     ref = load_file(str(MODELS / "llama_gqa3" / "expected.safetensors"))
-    ids = ref["input_ids"][:1]
-    policy = make("full").bind(model.cfg, device="cpu", dtype=torch.float32, max_len=ids.shape[1])
-    steps = [model(ids[:, :7], policy=policy)]
-    for t in range(7, ids.shape[1]):
-        steps.append(model(ids[:, t : t + 1], positions=torch.tensor([[t]]), policy=policy))
-    assert (torch.cat(steps, dim=1) - ref["logits"][:1]).abs().max().item() <= 1e-4
+    assert (prefill_then_decode(model, ref["input_ids"][:1]) - ref["logits"][:1]).abs().max().item() <= 1e-4
