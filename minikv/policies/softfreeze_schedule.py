@@ -160,7 +160,7 @@ class FreezeTiers:
         keep[slots] = False
         holes = slots[slots < m]  # removed slots inside the new length...
         fill = keep[m:].nonzero()[:, 0] + m  # ...and as many kept slots past it
-        kv = self.kv[l]
+        kv = self.kv[l].flatten(1)  # (cap, 2 Hkv D): a row per slot (see _rows)
         kv.index_copy_(0, holes, kv.index_select(0, fill))
         self.slots[:, l, holes] = self.slots[:, l, fill]
         self.n_act[l] = m
@@ -169,8 +169,8 @@ class FreezeTiers:
         """Move layer l's active slots `slots` (holding tokens `tok`) to the host tier."""
         new = ~self.on_host[l, tok]  # (f,) tokens the host does not hold yet
         slots_new, tok_new = slots[new], tok[new]
-        rows = self.p.tiers.to_host(self.kv[l].index_select(0, slots_new), fresh=True)  # (f', 2, Hkv, D)
-        self.kv_host[l].index_copy_(0, tok_new.cpu(), rows)
+        rows = self.p.tiers.to_host(self.kv[l].flatten(1).index_select(0, slots_new), fresh=True)  # (f', 2 Hkv D)
+        self.kv_host[l].flatten(1).index_copy_(0, tok_new.cpu(), rows)
         self.on_host[l, tok_new] = True
         self.remove_slots(l, slots)
         self.n_frozen[l] += len(tok)
@@ -181,7 +181,8 @@ class FreezeTiers:
         if r:
             self.reserve(self.n_act[l] + r)
             a, b = self.n_act[l], self.n_act[l] + r
-            self.kv[l, a:b] = self.p.tiers.to_device(self.kv_host[l].index_select(0, tok.cpu()), fresh=True)
+            rows = self.kv_host[l].flatten(1).index_select(0, tok.cpu())  # (r, 2 Hkv D)
+            self.kv[l, a:b] = self.p.tiers.to_device(rows, fresh=True).view(r, 2, self.Hkv, self.D)
             self.slots[0, l, a:b] = tok
             if self.p.history is None:
                 self.slots[1, l, a:b] = self.count[l, tok]
@@ -255,10 +256,10 @@ class FreezeTiers:
         self.reserve(max(n_act) + 1)  # room for the next decoded token in every layer
 
     def _rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The stacked buffers seen as rows: kv (L * cap, 2, Hkv, D), slots (2, L * cap),
-        kv_host (L * N, 2, Hkv, D)."""
-        return (self.kv.view(-1, 2, self.Hkv, self.D), self.slots.view(2, -1),
-                self.kv_host.view(-1, 2, self.Hkv, self.D))
+        """The stacked buffers seen as rows: kv (L * cap, 2 Hkv D), slots (2, L * cap),
+        kv_host (L * N, 2 Hkv D). Two-dimensional on purpose: PyTorch's CPU index_select copies
+        the rows of a 2-d tensor as whole blocks, 3-4x faster than those of the 4-d view."""
+        return self.kv.view(self.L * self.cap, -1), self.slots.view(2, -1), self.kv_host.view(self.L * self.N, -1)
 
     def _freeze_all(self, lf: torch.Tensor, jf: torch.Tensor, tok: torch.Tensor) -> None:
         """Copy the rows of slots jf of layers lf (holding tokens tok; all (f,)) to the host tier,
@@ -267,7 +268,7 @@ class FreezeTiers:
         lf, jf, tok = lf[new], jf[new], tok[new]
         if len(lf):
             kv, _, kv_host = self._rows()
-            rows = self.p.tiers.to_host(kv.index_select(0, lf * self.cap + jf), fresh=True)  # (f', 2, Hkv, D)
+            rows = self.p.tiers.to_host(kv.index_select(0, lf * self.cap + jf), fresh=True)  # (f', 2 Hkv D)
             kv_host.index_copy_(0, (lf * self.N + tok).cpu(), rows)
             self.on_host[lf, tok] = True
 

@@ -34,8 +34,8 @@ def attention_relevance(q, k, v, lengths, scale=None):
     qg = q.float().reshape(B, Hkv, group, D)  # (B, Hkv, G, D): the query heads sharing a KV head
     raw = qg @ k.float().transpose(-1, -2)  # (B, Hkv, G, L): q_h . k_j, unscaled
 
-    s = raw.abs().sum(dim=(1, 2)) / Hq  # (B, L) Eq. 2: mean over the Hq query heads of |q_h . k_j|
-    scores = raw * scale
+    s = raw.abs().sum(dim=(1, 2)).div_(Hq)  # (B, L) Eq. 2: mean over the Hq query heads of |q_h . k_j|
+    scores = raw.mul_(scale)  # in place: raw is not read again (a decode step calls this per layer)
     vf = v.float()  # (B, Hkv, L, D)
     if bool((lengths != L).any()):
         visible = torch.arange(L, device=q.device) < lengths.to(q.device)[:, None]  # (B, L)
