@@ -108,6 +108,18 @@ class StackedLinear(Linear):
         # y (..., sum of parts) -> one (..., rows of part) view per part, in stacking order
         return y.split(list(self.parts.values()), dim=-1)
 
+    def parts_of(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x (..., in) -> one (..., rows of part) tensor per part, in stacking order: eager, one
+        matmul and views of its output. Traced into a compiled decode step, one matvec per part
+        over the stacked weight's row blocks (views): inductor's loop reads SmolLM2's gate and up
+        as two 1536-row products faster than as one of 3072 rows (1.15x for the MLP at one
+        thread, the same at two; README, Speed)."""
+        if torch.compiler.is_compiling() and x.numel() == x.shape[-1]:
+            sizes = list(self.parts.values())
+            biases = [None] * len(sizes) if self.bias is None else self.bias.split(sizes)
+            return tuple(matvec(x, w, b) for w, b in zip(self.weight.split(sizes), biases))
+        return self.split(self(x))
+
 
 def stacked_in(parent: nn.Module, name: str) -> None:
     """parent.<name> is a StackedLinear: let the parent's state_dict() and load_state_dict()
@@ -151,7 +163,7 @@ class GatedMLP(nn.Module):
         self.act = activation(act)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        gate, up = self.gate_up_proj.parts_of(x)
         return self.down_proj(self.act(gate) * up)
 
 

@@ -27,7 +27,7 @@ class LlamaAttention(nn.Module):
 
     def project(self, x, rope):
         # x (B, T, C) -> q (B, Hq, T, D), k, v (B, Hkv, T, D); q and k rotated at `rope`
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # (B, T, Hq * D), (B, T, Hkv * D) x 2
+        q, k, v = self.qkv_proj.parts_of(x)  # (B, T, Hq * D), (B, T, Hkv * D) x 2
         q = split_heads(q, self.cfg.n_heads)  # (B, Hq, T, D)
         k = split_heads(k, self.cfg.n_kv_heads)  # (B, Hkv, T, D)
         v = split_heads(v, self.cfg.n_kv_heads)  # (B, Hkv, T, D)
