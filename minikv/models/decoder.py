@@ -61,15 +61,14 @@ class DecoderLM(nn.Module):
         cos, sin = self.rope.cos_sin(rope_positions.clamp(min=0))  # (B, T, rotary_dim)
         rope = (cos[:, None], sin[:, None])  # broadcast over heads
         x = self.embed(input_ids)  # (B, T, C)
-        compiled = self.compiled if decoding else None
-        for i, block in enumerate(self.blocks):
-            layer_kv = policy.layer(i) if policy is not None else None
-            if compiled is not None:
-                x = compiled.block(block, x, positions, rope, layer_kv)
-            else:
+        if decoding and self.compiled is not None:
+            x = self.compiled.blocks(self.blocks, x, positions, rope, policy)
+        else:
+            for i, block in enumerate(self.blocks):
+                layer_kv = policy.layer(i) if policy is not None else None
                 x = block(x, positions, rope, layer_kv, decoding)
-            if progress is not None:
-                progress(i + 1, len(self.blocks))
+                if progress is not None:
+                    progress(i + 1, len(self.blocks))
         if logits_at is not None:
             x = x[torch.arange(B, device=x.device), logits_at]  # (B, C)
         if self.compiled is not None and logits_at is not None:  # one row per sequence

@@ -83,8 +83,8 @@ def test_compiled_smollm2_follows_the_eager_model_under_a_policy(smollm2, compil
 
 
 def test_compiled_code_runs_the_products(compiled_smollm2):
-    """A one-token decode step calls compiled graphs and no eager linear or matmul: the products
-    ran inside inductor's code, not in MKL called from Python."""
+    """A one-token decode step calls compiled graphs, one between two attentions, and no eager
+    linear or matmul: the products ran inside inductor's code, not in MKL called from Python."""
     from torch.profiler import ProfilerActivity, profile
 
     model, tok = compiled_smollm2
@@ -96,6 +96,10 @@ def test_compiled_code_runs_the_products(compiled_smollm2):
               logits_at=torch.tensor([0]))
     names = [e.key for e in prof.key_averages()]
     assert sum("CompiledFxGraph" in n for n in names) >= 2
+    # one call between two attentions (a finish and the next project), plus the first project,
+    # the last finish and the head
+    calls = sum(e.count for e in prof.key_averages() if "CompiledFxGraph" in e.key)
+    assert calls == model.cfg.n_layers + 2
     assert not {"aten::linear", "aten::mm", "aten::matmul", "aten::bmm"} & set(names)
 
 
