@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
+from .hugepages import in_huge_pages
 from .models import DecoderLM, build_model
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -78,42 +79,6 @@ def fresh_copy(w: torch.Tensor) -> torch.Tensor:
     if w.device.type != "cpu" or w.dim() != 2:
         return w
     return w.clone(memory_format=torch.contiguous_format)
-
-
-HUGE_PAGE = 2 * 2**20  # x86-64's transparent huge page
-
-
-def in_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of CPU tensors (same values, shapes and strides) in one anonymous memory mapping
-    advised for transparent huge pages (Linux's MADV_HUGEPAGE), each copy 64-byte aligned.
-
-    A decode step streams ~540 MB of weights. With 4 KB pages that is ~130,000 pages a step,
-    more than the TLB covers, and a one-row product's read stalls on page walks; with 2 MB pages,
-    ~270. Measured here (2-core EPYC, one thread): a large sum reads 33 GB/s from huge pages
-    against 22-29 from the allocator's memory, and the compiled step at two threads takes 20 ms
-    against 24 (README, Speed). Where the kernel has no transparent huge pages (or the platform
-    no madvise) the copies are still made, in ordinary pages."""
-    import mmap
-
-    def span(t):  # bytes from a tensor's first element to its last, in its strides
-        return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size() if t.numel() else 0
-
-    sizes = [-(-span(t) // 64) * 64 for t in tensors]
-    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)  # private: shared memory gets no THP
-    buf = mmap.mmap(-1, sum(sizes) + HUGE_PAGE, **({"flags": flags} if flags else {}))  # zero-filled, untouched
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            buf.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # THP disabled in this kernel: ordinary pages
-            pass
-    arena = torch.frombuffer(buf, dtype=torch.uint8)  # holds a reference to buf: the mapping lives as long as it
-    offset = -arena.data_ptr() % HUGE_PAGE  # the first copy starts on a huge-page boundary
-    out = []
-    for t, size in zip(tensors, sizes):
-        region = arena[offset:offset + size].view(t.dtype)
-        out.append(region.as_strided(t.shape, t.stride(), region.storage_offset()).copy_(t))
-        offset += size
-    return out
 
 
 def resolve_device(device=None) -> torch.device:
@@ -179,7 +144,7 @@ def load_model(path: str | Path, device=None, dtype=None, compile: bool = False)
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight  # assign=True replaced the tied parameter
-    if device.type == "cpu":  # every parameter into huge pages (in_huge_pages), read faster
+    if device.type == "cpu":  # every parameter into huge pages (hugepages.py), read faster
         params = list(model.parameters())  # the tied matrix once
         for p, copy in zip(params, in_huge_pages([p.data for p in params])):
             p.data = copy

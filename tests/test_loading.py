@@ -11,6 +11,8 @@ from minikv import loading
 from minikv.config import ModelConfig
 from minikv.models import build_model
 
+from .test_hugepages import mapping_flags, thp_available
+
 TINY = {
     "model_type": "llama", "vocab_size": 50, "hidden_size": 16, "intermediate_size": 24,
     "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
@@ -105,41 +107,6 @@ def test_float32_cpu_matrices_are_stored_column_major(tmp_path):
     assert loading.matvec_layout(torch.randn(4)).stride() == (1,)
 
 
-def mapping_flags(ptr: int) -> set[str] | None:
-    """The VmFlags of the mapping holding address ptr (Linux), or None."""
-    smaps = Path("/proc/self/smaps")
-    if not smaps.is_file():
-        return None
-    lo = hi = None
-    for line in smaps.read_text().splitlines():
-        head = line.split()[0] if line.split() else ""
-        if "-" in head and ":" not in head:
-            a, b = (int(x, 16) for x in head.split("-"))
-            lo, hi = a, b
-        elif line.startswith("VmFlags:") and lo is not None and lo <= ptr < hi:
-            return set(line.split()[1:])
-    return None
-
-
-def test_in_huge_pages_copies_values_and_strides_into_one_advised_mapping():
-    ts = [torch.randn(300, 200), torch.randn(50, 70).t(), torch.randn(7)[2:], torch.randn(6, 4)[:, 1:],
-          torch.empty(0, 5), torch.randn(33, dtype=torch.bfloat16)]
-    copies = loading.in_huge_pages(ts)
-    for t, c in zip(ts, copies):
-        assert c.dtype == t.dtype and c.shape == t.shape and c.stride() == t.stride() and torch.equal(c, t)
-        assert c.data_ptr() % 64 == 0
-    assert copies[0].data_ptr() % loading.HUGE_PAGE == 0  # the first starts on a huge page
-    ends = [(c.data_ptr(), c.data_ptr() + c.numel() * c.element_size()) for c in copies if c.numel()]
-    assert all(e0 <= s1 for (_, e0), (s1, _) in zip(ends, ends[1:]))  # laid out in order, no overlap
-    del ts
-    assert float(copies[0].sum()) == float(copies[0].sum())  # still readable with the originals gone
-    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if thp.is_file() and "[never]" not in thp.read_text():
-        # advised (hg) and private (no sh: shared memory gets no transparent huge pages)
-        flags = mapping_flags(copies[0].data_ptr())
-        assert flags is not None and "hg" in flags and "sh" not in flags
-
-
 def test_cpu_parameters_are_loaded_into_huge_pages(tmp_path):
     write_checkpoint(tmp_path, {**TINY, "tie_word_embeddings": True}, drop=("lm_head.weight",))
     model = loading.load_model(tmp_path, device="cpu", dtype=torch.float32)
@@ -148,8 +115,7 @@ def test_cpu_parameters_are_loaded_into_huge_pages(tmp_path):
     span = ptrs[-1] - ptrs[0]
     assert span < sum(p.numel() * p.element_size() + 64 for p in model.parameters())
     assert model.lm_head.weight is model.embed.weight  # still tied: copied once
-    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if thp.is_file() and "[never]" not in thp.read_text():
+    if thp_available():
         assert "hg" in mapping_flags(ptrs[0])
 
 

@@ -85,14 +85,12 @@ def measure_read_bandwidth(device="cpu", mbytes: int = 256, repeats: int = 5) ->
     median of `repeats` timed sums over a float32 tensor of `mbytes` MB, far larger than the CPU's
     caches, so that every byte comes from memory. This is the line a decode step, which reads
     every weight once, can at best reach. On the CPU the tensor is in transparent huge pages, as
-    the model's weights are (loading.in_huge_pages): both sides of the ratio read the same kind
+    the model's weights are (hugepages.py): both sides of the ratio read the same kind
     of memory (huge pages read ~1.25x faster here than the allocator's)."""
     device = torch.device(device)
-    x = torch.ones(mbytes * 2**20 // 4, dtype=torch.float32, device=device)
-    if device.type == "cpu":
-        from ..loading import in_huge_pages
+    from ..hugepages import empty
 
-        (x,) = in_huge_pages([x])
+    x = empty((mbytes * 2**20 // 4,), torch.float32, device).fill_(1.0)
     times = []
     for _ in range(repeats + 1):  # the first read warms up (page faults, kernel launch)
         if device.type == "cuda":

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import hugepages
 from ..kernels.dci_scores.reference import stable_topk
 from .dci_search import CLOSEST, LevelLayout, build_layout, field_of_view, search, search_levels
 
@@ -119,7 +120,7 @@ class DCIForest:
         self.max_pages = capacity // P + capacity // first + 2
         self.n = 0
         self.top = 0  # number of levels (0: empty tree)
-        self.keys = torch.zeros(H, capacity, D)
+        self.keys = hugepages.empty((H, capacity, D), torch.float32, "cpu").zero_()  # all read by each search
         # |k|^2 and c in float64: sqrt(c^2 - |k|^2) of the longest keys, the ones MIPS is about,
         # takes the square root of a difference near 0, where float32 would lose ~1e-3
         self.sq = torch.zeros(H, capacity, dtype=torch.float64)  # |k|^2

@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import torch
 
+from .. import hugepages
+
 
 class ContextBank:
     def __init__(self, *, n_heads: int, max_len: int, slots: int, head_dim: int, dtype: torch.dtype, tiers,
                  offload: bool, stage_rows: int):
         dev, D, pin = tiers.device, head_dim, tiers.pin
         self.tiers, self.offload = tiers, offload
-        self.store_k = torch.empty(1, n_heads, slots if offload else max_len, D, dtype=dtype, device=dev)
-        self.store_v = torch.empty_like(self.store_k)
+        shape = (1, n_heads, slots if offload else max_len, D)
+        self.store_k = hugepages.empty(shape, dtype, dev)  # read every step: huge pages on the CPU
+        self.store_v = hugepages.empty(shape, dtype, dev)
         if offload:
             self.bank_k = torch.empty(n_heads, max_len, D, dtype=dtype, pin_memory=pin)
             self.bank_v = torch.empty_like(self.bank_k, pin_memory=pin)
