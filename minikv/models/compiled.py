@@ -3,12 +3,12 @@
 A decode step feeds one token through the model. Per layer that is a handful of matrix-vector
 products and some fifty small operations (norms, views, RoPE, residuals, the MLP's gate), each
 a few microseconds of Python and dispatch, and all of them on one thread. Compiling removes
-most of it: a block's `project` (norm, q/k/v, RoPE) and `finish` (output projection, residual,
-norm, MLP, residual) each become one call into code that inductor generated, and the one-row
-products inside them are written as multiply-and-sum (layers.matvec), which inductor emits as
-a loop over the weight's rows split over the threads, reading the weights faster than MKL's
-one-row SGEMM. The policy's attention stays eager between the two: policies are Python with
-counters and data-dependent choices, and every policy runs unchanged.
+most of it: a block's `finish` (output projection, residual, norm, MLP, residual) and the
+next block's `project` (norm, q/k/v, RoPE) become one call into code that inductor generated,
+and the one-row products inside are written as multiply-and-sum (layers.matvec), which
+inductor emits as a loop over the weight's rows split over the threads, reading the weights
+faster than MKL's one-row SGEMM. The policy's attention stays eager between two such calls:
+policies are Python with counters and data-dependent choices, and every policy runs unchanged.
 
 `dynamic=True`: one compiled graph serves every layer and every step (another batch size or
 model config compiles once more); the first compile takes some 20 s on a 2-core CPU (inductor's
@@ -63,8 +63,9 @@ class CompiledDecode:
 
     def blocks(self, blocks, x, positions, rope, policy):
         """One decode step through all blocks: x (B, 1, C) -> (B, 1, C). Between two attentions
-        runs one compiled call (a block's finish and the next one's project), 31 calls a step on
-        a 30-layer model instead of 60: each call costs some 40 us of dispatch and guards."""
+        runs one compiled call, a block's finish and the next one's project: 31 calls a step on
+        a 30-layer model instead of 60, each call's dispatch and guards saved (SmolLM2, one
+        thread: 2.3-2.9 ms a step)."""
         qkv = self.project(blocks[0], x, rope)
         last = len(blocks) - 1
         for i, block in enumerate(blocks):
