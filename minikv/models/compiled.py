@@ -52,13 +52,16 @@ class CompiledDecode:
 
     @torch.inference_mode()
     def warm_up(self, model) -> None:
-        cfg, block = model.cfg, model.blocks[0]
+        # two different blocks, as a step passes them: with one block twice dynamo would guard
+        # on the two being the same and compile again (seconds) on the first real step
+        cfg, block, other = model.cfg, model.blocks[0], model.blocks[-1]
         x = torch.zeros(1, 1, cfg.hidden_size, dtype=model.dtype, device=model.device)
         cos = torch.ones(1, 1, 1, cfg.rotary_dim, device=model.device)
         rope = (cos, torch.zeros_like(cos))
         q, _, _ = self.project(block, x, rope)
         self.finish(block, x, torch.zeros_like(q))
-        self.finish_then_project(block, block, x, torch.zeros_like(q), rope)
+        if other is not block:
+            self.finish_then_project(block, other, x, torch.zeros_like(q), rope)
         self.head(model.final_norm, model.lm_head, x[:, 0])
 
     def blocks(self, blocks, x, positions, rope, policy):

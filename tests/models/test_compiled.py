@@ -68,6 +68,20 @@ def test_compiled_decode_equals_transformers_logits(name):
     assert (prefill_then_decode(model, ref["input_ids"]) - ref["logits"]).abs().max().item() <= 1e-4
 
 
+def test_warm_up_compiles_what_a_decode_step_runs():
+    """Loading compiles (and checks) every graph a batch-of-one decode step calls: the first
+    real step compiles nothing more (a recompile there would cost seconds inside the first
+    timed step)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # nothing compiled by earlier tests in this process
+    model = load_model(MODELS / RANDOM[0], device="cpu", dtype=torch.float32, compile=True)
+    assert model.compiled is not None and model.cfg.n_layers >= 2
+    frames = counters["frames"]["total"]
+    prefill_then_decode(model, torch.randint(0, model.cfg.vocab_size, (1, 10)))
+    assert counters["frames"]["total"] == frames
+
+
 @pytest.mark.parametrize("spec", ["full", "streaming:sink=4,window=60", "freekv:budget=128"])
 def test_compiled_smollm2_follows_the_eager_model_under_a_policy(smollm2, compiled_smollm2, spec):
     """Same prompt, same policy: the compiled model's logits at every decode step equal the eager
