@@ -38,16 +38,18 @@ def _span(t: torch.Tensor) -> int:
     return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size() if t.numel() else 0
 
 
-def in_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of CPU tensors (same values, shapes and strides) laid out in order in one arena,
-    each 64-byte aligned, the first on a huge-page boundary."""
-    sizes = [-(-_span(t) // 64) * 64 for t in tensors]
-    memory, offset, out = arena(sum(sizes)), 0, []
-    for t, size in zip(tensors, sizes):
-        region = memory[offset:offset + size].view(t.dtype)
-        out.append(region.as_strided(t.shape, t.stride(), region.storage_offset()).copy_(t))
+def move_parameters(module: torch.nn.Module) -> None:
+    """Every CPU parameter of module (a tied one once) into one arena, in place (`p.data`: same
+    values, shapes and strides), laid out in order, each 64-byte aligned, the first on a huge
+    page; each original is freed as soon as it is copied (unless held elsewhere), so the
+    weights are held twice one tensor at a time."""
+    params = [p for p in module.parameters() if p.device.type == "cpu"]
+    sizes = [-(-_span(p.data) // 64) * 64 for p in params]
+    memory, offset = arena(sum(sizes)), 0
+    for p, size in zip(params, sizes):
+        region = memory[offset:offset + size].view(p.dtype)
+        p.data = region.as_strided(p.shape, p.stride(), region.storage_offset()).copy_(p.data)
         offset += size
-    return out
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:

@@ -2,10 +2,12 @@
 
 `load_model(path)` reads config.json and model.safetensors (or the shards a
 model.safetensors.index.json names). The model is built on the meta device and each tensor is
-read from the memory-mapped file straight into its parameter (`assign=True`), so weights are
-never held twice. On the CPU each matrix is stored column-major (`matvec_layout`): one copy per
-tensor, made as it is read, for 1.4x faster matrix-vector products in eager decoding (MKL's);
-a model loaded with compile=True keeps them row-major, as its compiled products read them.
+read from the memory-mapped file straight into its parameter (`assign=True`). On the CPU each
+matrix is stored column-major (`matvec_layout`): one copy per tensor, made as it is read, for
+1.4x faster matrix-vector products in eager decoding (MKL's); a model loaded with compile=True
+keeps them row-major, as its compiled products read them. Then every CPU parameter moves into
+one mapping of transparent huge pages (hugepages.py), one tensor at a time, so that the weights
+are never held twice in full.
 
 `import_gguf(path)` converts a llama-architecture GGUF (the bundled SmolLM2 is one) into such a
 directory once, in a cache folder, and later calls reuse it. GGUF needs three undoings:
@@ -25,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
-from .hugepages import in_huge_pages
+from .hugepages import move_parameters
 from .models import DecoderLM, build_model
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -144,10 +146,9 @@ def load_model(path: str | Path, device=None, dtype=None, compile: bool = False)
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight  # assign=True replaced the tied parameter
-    if device.type == "cpu":  # every parameter into huge pages (hugepages.py), read faster
-        params = list(model.parameters())  # the tied matrix once
-        for p, copy in zip(params, in_huge_pages([p.data for p in params])):
-            p.data = copy
+    del state  # the parameters hold the tensors now: the move below frees each as it goes
+    if device.type == "cpu":
+        move_parameters(model)  # every parameter into huge pages (hugepages.py), read faster
     model.eval()
     if compile:
         model.compile_decode()

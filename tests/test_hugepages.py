@@ -1,4 +1,4 @@
-"""hugepages.py: copies and buffers in memory advised for transparent huge pages."""
+"""hugepages.py: parameters and buffers in memory advised for transparent huge pages."""
 from pathlib import Path
 
 import torch
@@ -28,22 +28,30 @@ def mapping_flags(ptr: int) -> set[str] | None:
     return None
 
 
-def test_in_huge_pages_copies_values_and_strides_into_one_advised_mapping():
-    ts = [torch.randn(300, 200), torch.randn(50, 70).t(), torch.randn(7)[2:], torch.randn(6, 4)[:, 1:],
-          torch.empty(0, 5), torch.randn(33, dtype=torch.bfloat16)]
-    copies = hugepages.in_huge_pages(ts)
-    for t, c in zip(ts, copies):
-        assert c.dtype == t.dtype and c.shape == t.shape and c.stride() == t.stride() and torch.equal(c, t)
-        assert c.data_ptr() % 64 == 0
-    assert copies[0].data_ptr() % hugepages.HUGE_PAGE == 0  # the first starts on a huge page
-    ends = [(c.data_ptr(), c.data_ptr() + c.numel() * c.element_size()) for c in copies if c.numel()]
+def test_move_parameters_keeps_values_strides_and_ties_in_one_advised_mapping():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(300, 70), torch.nn.Linear(70, 50), torch.nn.Linear(50, 70),
+                                torch.nn.Linear(70, 300, bias=False))
+    model[3].weight = model[0].weight  # tied, as an output head
+    model[1].weight.data = model[1].weight.data.t().contiguous().t()  # column-major (matvec_layout)
+    model.register_parameter("bf16_scale", torch.nn.Parameter(torch.randn(33, dtype=torch.bfloat16)))
+    x = torch.tensor([[3, 5]])
+    out = model(x)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    strides = {name: p.stride() for name, p in model.named_parameters()}
+    hugepages.move_parameters(model)
+    params = list(model.named_parameters())
+    for name, p in params:
+        assert p.dtype == before[name].dtype and p.stride() == strides[name] and torch.equal(p, before[name])
+        assert p.data_ptr() % 64 == 0
+    assert model[3].weight is model[0].weight  # still one parameter
+    assert params[0][1].data_ptr() % hugepages.HUGE_PAGE == 0  # the first starts on a huge page
+    ends = [(p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for _, p in params]
     assert all(e0 <= s1 for (_, e0), (s1, _) in zip(ends, ends[1:]))  # laid out in order, no overlap
-    first = ts[0].clone()
-    del ts, t
-    assert torch.equal(copies[0], first)  # the copies own their memory: the originals can go
+    assert torch.equal(model(x), out)  # the same module, computing the same
     if thp_available():
         # advised (hg) and private (no sh: shared memory gets no transparent huge pages)
-        flags = mapping_flags(copies[0].data_ptr())
+        flags = mapping_flags(params[0][1].data_ptr())
         assert flags is not None and "hg" in flags and "sh" not in flags
 
 
