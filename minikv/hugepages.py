@@ -11,6 +11,7 @@ no transparent huge pages, or the platform no madvise, the memory is ordinary pa
 """
 from __future__ import annotations
 
+import math
 import mmap
 
 import torch
@@ -54,12 +55,9 @@ def move_parameters(module: torch.nn.Module) -> None:
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     """torch.empty(shape, dtype=dtype, device=device), in huge pages where that can help: on the
-    CPU and at least one huge page large (the memory comes zeroed)."""
+    CPU and at least one huge page large (then zeroed, as a fresh mapping is; elsewhere
+    uninitialised, as torch.empty's)."""
     device = torch.device(device)
-    n = 1
-    for d in shape:
-        n *= d
-    nbytes = n * torch.empty((), dtype=dtype).element_size()
-    if device.type != "cpu" or nbytes < HUGE_PAGE:
+    if device.type != "cpu" or math.prod(shape) * dtype.itemsize < HUGE_PAGE:
         return torch.empty(shape, dtype=dtype, device=device)
-    return arena(nbytes).view(dtype).view(shape)
+    return arena(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
