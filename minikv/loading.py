@@ -74,15 +74,6 @@ def matvec_layout(w: torch.Tensor) -> torch.Tensor:
     return w.t().contiguous().t()
 
 
-def fresh_copy(w: torch.Tensor) -> torch.Tensor:
-    """The same matrix, row-major, copied into memory of its own on the CPU: the compiled decode
-    step's products read a copy faster than the tensor safetensors hands out (SmolLM2's output
-    head, one thread: 4.0-4.1 ms against 4.9), as matvec_layout's copies are for the eager step."""
-    if w.device.type != "cpu" or w.dim() != 2:
-        return w
-    return w.clone(memory_format=torch.contiguous_format)
-
-
 def resolve_device(device=None) -> torch.device:
     """'cpu', 'cuda', 'cuda:N' or None (CUDA when present) -> a torch.device that exists here."""
     if device is None:
@@ -107,8 +98,8 @@ def load_model(path: str | Path, device=None, dtype=None, compile: bool = False)
     """The model of a Hugging Face style safetensors directory (no tokenizer: see load()).
 
     compile=True: decode steps run compiled (models/compiled.py; some 20 s the first time, then
-    read from inductor's cache), with each matrix copied row-major (fresh_copy), the layout its
-    matrix-vector loop reads best. Where torch.compile cannot run, a line on stderr says so and decoding is eager."""
+    read from inductor's cache), with each matrix kept row-major, the layout its matrix-vector
+    loop reads best (copied into memory of its own by the move into huge pages). Where torch.compile cannot run, a line on stderr says so and decoding is eager."""
     path = Path(path)
     check_model_dir(path)
     cfg = ModelConfig.from_json(path)
@@ -138,7 +129,7 @@ def load_model(path: str | Path, device=None, dtype=None, compile: bool = False)
                         f"config.json implies {tuple(expected[name])}"
                     )
                 tensor = tensor.to(dtype)
-                state[name] = fresh_copy(tensor) if compile else matvec_layout(tensor)
+                state[name] = tensor if compile else matvec_layout(tensor)
     missing = sorted(set(expected) - set(state))
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
