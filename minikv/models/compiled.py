@@ -38,9 +38,10 @@ def _finish_then_project(block, next_block, x, y, rope):
 
 
 class CompiledDecode:
-    """The compiled `project`, `finish` and output head of one model, checked on a dummy step
-    when built (so that a missing C++ compiler shows at load time, not halfway through a step
-    whose K/V the policy has already stored)."""
+    """The compiled `project`, `finish`, `finish_then_project` and output head of one model
+    (a step calls the first once, the third between two attentions, then the second and the
+    head), each checked on a dummy step when built (so that a missing C++ compiler shows at
+    load time, not halfway through a step whose K/V the policy has already stored)."""
 
     def __init__(self, model):
         block = type(model.blocks[0])
