@@ -39,3 +39,33 @@ def test_rows_that_do_not_split_evenly_take_linear(threads):
     layer = Linear(8, 66, bias=True)  # 66 % 4 != 0
     x = torch.randn(1, 1, 8)
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bfloat16_products_on_amx_use_the_packed_weight(rows, bias):
+    """bfloat16 on a CPU with AMX: Linear multiplies through oneDNN's prepacked weight, within
+    bfloat16's error of a float32 product, and packs again when the weight is replaced. Without
+    AMX nothing is packed and the product is F.linear's, bit for bit."""
+    from minikv.models.layers import amx_bf16
+
+    torch.manual_seed(rows)
+    lin = Linear(96, 80, bias=bias).to(torch.bfloat16)
+    x = torch.randn(1, rows, 96).bfloat16()
+    if not amx_bf16():
+        assert lin.amx_packed() is None
+        assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+        return
+    packed = lin.amx_packed()
+    assert packed is not None and packed.is_mkldnn
+    want = F.linear(x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float())
+    with torch.profiler.profile() as prof:
+        got = lin(x)
+    assert "mkldnn::_linear_pointwise" in {e.name for e in prof.events()}  # not F.linear
+    assert got.dtype == torch.bfloat16 and got.shape == (1, rows, 80)
+    torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.02)
+    lin.weight = torch.nn.Parameter(2 * lin.weight.detach())  # replaced: packed anew
+    assert lin.amx_packed() is not packed
+    torch.testing.assert_close(lin(x).float(), F.linear(x.float(), lin.weight.float(),
+                                                         None if lin.bias is None else lin.bias.float()),
+                               atol=0.1, rtol=0.02)
