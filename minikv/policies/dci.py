@@ -120,7 +120,15 @@ class DCIForest:
         self.max_pages = capacity // P + capacity // first + 2
         self.n = 0
         self.top = 0  # number of levels (0: empty tree)
-        self.keys = hugepages.empty((H, capacity, D), torch.float32, "cpu").zero_()  # all read by each search
+        # the index's keys (H, capacity, D), all read by each search. The eager search multiplies
+        # the queries by every key in one product (dci_search.py): stored transposed, (H, D, cap),
+        # that product is a plain (G, D) x (D, n) GEMM over contiguous rows, 1.3x faster than
+        # (n, D) rows when the keys come from memory (SmolLM2, 8k keys: 0.72 against 0.96 ms per
+        # layer). The Triton scorer gathers key rows, so it keeps them row-major.
+        if backend == "eager":
+            self.keys = hugepages.empty((H, D, capacity), torch.float32, "cpu").zero_().transpose(1, 2)
+        else:
+            self.keys = hugepages.empty((H, capacity, D), torch.float32, "cpu").zero_()
         # |k|^2 and c in float64: sqrt(c^2 - |k|^2) of the longest keys, the ones MIPS is about,
         # takes the square root of a difference near 0, where float32 would lose ~1e-3
         self.sq = torch.zeros(H, capacity, dtype=torch.float64)  # |k|^2
