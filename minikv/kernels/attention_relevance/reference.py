@@ -31,19 +31,30 @@ def attention_relevance(q, k, v, lengths, scale=None):
     group = Hq // Hkv
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
 
-    qg = q.float().reshape(B, Hkv, group, D)  # (B, Hkv, G, D): the query heads sharing a KV head
-    raw = qg @ k.float().transpose(-1, -2)  # (B, Hkv, G, L): q_h . k_j, unscaled
+    # batch and KV head as one batch dimension for bmm: (B Hkv, G, D) against (B Hkv, D, L). This
+    # is what q @ k^T of the 4-d tensors does inside (the same bmm on the same views, so the same
+    # bits) without the checks, expands and reshapes around it: a decode step calls this once per
+    # layer, and those cost more than the product of a few hundred keys
+    qg = _float(q).reshape(B * Hkv, group, D)  # the query heads sharing a KV head
+    kt = _float(k).transpose(-1, -2).reshape(B * Hkv, D, L)  # (B Hkv, D, L), a view where it can be (matmul's own reshape)
+    raw = torch.bmm(qg, kt)  # (B Hkv, G, L): q_h . k_j, unscaled
 
-    s = raw.abs().sum(dim=(1, 2)).div_(Hq)  # (B, L) Eq. 2: mean over the Hq query heads of |q_h . k_j|
-    scores = raw.mul_(scale)  # in place: raw is not read again (a decode step calls this per layer)
-    vf = v.float()  # (B, Hkv, L, D)
-    if bool((lengths != L).any()):
+    s = raw.view(B, Hq, L).abs().sum(dim=1).div_(Hq)  # (B, L) Eq. 2: mean over the Hq query heads of |q_h . k_j|
+    scores = raw.mul_(scale)  # in place: raw is not read again
+    vf = _float(v).reshape(B * Hkv, L, D)
+    if any(n != L for n in lengths.tolist()):  # (a list: one call, where a tensor test is three ops)
         visible = torch.arange(L, device=q.device) < lengths.to(q.device)[:, None]  # (B, L)
         # where() rather than a product keeps garbage slots (maybe NaN) out: 0 * NaN is NaN
         s = torch.where(visible, s, 0.0)
-        scores = torch.where(visible[:, None, None, :], scores, float("-inf"))
-        vf = torch.where(visible[:, None, :, None], vf, 0.0)
+        visible = visible.repeat_interleave(Hkv, dim=0)  # (B Hkv, L): row b * Hkv + h is row b's
+        scores = torch.where(visible[:, None, :], scores, float("-inf"))
+        vf = torch.where(visible[:, :, None], vf, 0.0)
     # else every row reads all L slots (the caller sliced the buffer to the active tokens): no mask
-    p = torch.softmax(scores, dim=-1)  # (B, Hkv, G, L), exactly 0 on masked slots
-    out = (p @ vf).reshape(B, Hq, D).to(q.dtype)  # (B, Hkv, G, D) -> (B, Hq, D)
-    return out, s
+    p = torch.softmax(scores, dim=-1)  # (B Hkv, G, L), exactly 0 on masked slots
+    out = torch.bmm(p, vf).view(B, Hq, D)  # (B Hkv, G, D) -> (B, Hq, D)
+    return (out if out.dtype == q.dtype else out.to(q.dtype)), s
+
+
+def _float(t):
+    """t in float32: t itself when it is float32 already (t.float() would still dispatch)."""
+    return t if t.dtype == torch.float32 else t.float()
