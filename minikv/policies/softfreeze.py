@@ -151,14 +151,16 @@ class SoftFreezeLayer(LayerKV):
 
     def decode(self, q, k, v, positions):
         # q (1, Hq, 1, D); k, v (1, Hkv, 1, D); the token's position is n_tok
-        self.state.append(self.index, k[0, :, 0], v[0, :, 0])
+        state, l = self.state, self.index
+        a = state.append(l, k[0, :, 0], v[0, :, 0])  # active slots, the new token's included
         # Algorithm 1 line 1 (attention over the active cache A) and line 2 (s_j, Eq. 2), one pass
         # read only the active slots: the buffer's capacity past them is empty. Lines 3-15 run
-        # for all layers at once in end_step, on the scores kept here
-        a = self.n_act
-        out, s = attention_relevance(q[:, :, 0], self.k[:, :, :a], self.v[:, :, :a], self._lengths(),
-                                     backend=self.policy.backend)
-        self.policy.scores[self.index] = s[0]
+        # for all layers at once in end_step, on the scores kept here. (The per-layer views are
+        # FreezeTiers', made once: this runs 30 times a step, and the properties above build
+        # theirs anew on every call)
+        out, s = attention_relevance(q[:, :, 0], state.k_of[l].narrow(2, 0, a), state.v_of[l].narrow(2, 0, a),
+                                     self.lengths.fill_(a), backend=self.policy.backend)
+        self.policy.scores[l] = s[0]
         return out[:, :, None]
 
     def device_tokens(self) -> int:

@@ -85,6 +85,13 @@ class FreezeTiers:
             kv[:, : self.cap] = self.kv
             slots[:, :, : self.cap] = self.slots
         self.kv, self.slots, self.cap = kv, slots, cap
+        # each layer's views, made once per growth: a decode step asks for them 30 times, and
+        # indexing the stacked buffers anew costs ~8 view ops (microseconds) each time
+        self.kv_of = list(kv.unbind(0))  # L x (cap, 2, Hkv, D)
+        self.k_of = [x[:, 0].transpose(0, 1)[None] for x in self.kv_of]  # L x (1, Hkv, cap, D), as attention reads K
+        self.v_of = [x[:, 1].transpose(0, 1)[None] for x in self.kv_of]
+        self.slot_tok_of = list(slots[0].unbind(0))  # L x (cap,)
+        self.slot_count_of = list(slots[1].unbind(0))
 
     # -- new tokens (the layers' prefill and decode) -----------------------------------------
     def fill(self, l: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -98,16 +105,17 @@ class FreezeTiers:
         self.on_host[l] = False
         self.n_act[l] = self.n_tok[l] = T
 
-    def append(self, l: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """The decoded token of layer l, k, v (Hkv, D), into the next free slot."""
+    def append(self, l: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """The decoded token of layer l, k, v (Hkv, D), into the next free slot; returns the
+        active slots after it (n_act[l])."""
         a = self.n_act[l]
         self.reserve(a + 1)
-        self.kv[l, a, 0] = k
-        self.kv[l, a, 1] = v
-        self.slots[0, l, a] = self.n_tok[l]
-        self.slots[1, l, a] = 0
-        self.n_act[l] += 1
+        torch.stack((k, v), out=self.kv_of[l][a])  # (2, Hkv, D): the slot's row, one copy
+        self.slot_tok_of[l][a] = self.n_tok[l]
+        self.slot_count_of[l][a] = 0
+        self.n_act[l] = a + 1
         self.n_tok[l] += 1
+        return a + 1
 
     # -- Algorithm 1 for one layer: the reference --------------------------------------------
     def schedule_layer(self, l: int, s: torch.Tensor, now: int) -> None:
@@ -317,5 +325,5 @@ class FreezeTiers:
         for l in range(self.L):
             if r[l]:
                 stop = start + r[l]
-                torch.index_select(kv_host, 0, rows[start:stop], out=self.kv[l].view(self.cap, -1)[m[l] : m[l] + r[l]])
+                torch.index_select(kv_host, 0, rows[start:stop], out=self.kv_of[l].view(self.cap, -1)[m[l] : m[l] + r[l]])
                 start = stop
