@@ -152,7 +152,7 @@ class SoftFreezeLayer(LayerKV):
     def decode(self, q, k, v, positions):
         # q (1, Hq, 1, D); k, v (1, Hkv, 1, D); the token's position is n_tok
         state, l = self.state, self.index
-        a = state.append(l, k[0, :, 0], v[0, :, 0])  # active slots, the new token's included
+        a = state.append(l, k, v)  # active slots, the new token's included
         # Algorithm 1 line 1 (attention over the active cache A) and line 2 (s_j, Eq. 2), one pass
         # read only the active slots: the buffer's capacity past them is empty. Lines 3-15 run
         # for all layers at once in end_step, on the scores kept here. (The per-layer views are
@@ -287,7 +287,7 @@ class SoftFreeze(Policy):
         super().end_step(logits)
         if now == 0:
             self.prompt_len = self.layers[0].n_tok
-        self.trajectory.append((self.layers[0].n_tok, [layer.n_act for layer in self.layers]))
+        self.trajectory.append((self.layers[0].n_tok, list(self.state.n_act)))  # (n_act of every layer)
         if logits is None:
             return None
         logp = torch.log_softmax(logits[0].float(), dim=-1)  # (V,)

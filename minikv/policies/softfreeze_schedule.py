@@ -88,6 +88,10 @@ class FreezeTiers:
         # each layer's views, made once per growth: a decode step asks for them 30 times, and
         # indexing the stacked buffers anew costs ~8 view ops (microseconds) each time
         self.kv_of = list(kv.unbind(0))  # L x (cap, 2, Hkv, D)
+        self.rows_of = [x.view(cap, -1) for x in self.kv_of]  # L x (cap, 2 Hkv D), as in _rows
+        # L x (cap, 2, Hkv, 1, D): a slot's row shaped as a decode step's k and v stacked, which
+        # then go in with one cat, as they come
+        self.new_rows_of = [x[:, :, :, None] for x in self.kv_of]
         self.k_of = [x[:, 0].transpose(0, 1)[None] for x in self.kv_of]  # L x (1, Hkv, cap, D), as attention reads K
         self.v_of = [x[:, 1].transpose(0, 1)[None] for x in self.kv_of]
         self.slot_tok_of = list(slots[0].unbind(0))  # L x (cap,)
@@ -106,11 +110,11 @@ class FreezeTiers:
         self.n_act[l] = self.n_tok[l] = T
 
     def append(self, l: int, k: torch.Tensor, v: torch.Tensor) -> int:
-        """The decoded token of layer l, k, v (Hkv, D), into the next free slot; returns the
-        active slots after it (n_act[l])."""
+        """The decoded token of layer l, k, v (1, Hkv, 1, D) as the layer's decode gets them,
+        into the next free slot; returns the active slots after it (n_act[l])."""
         a = self.n_act[l]
         self.reserve(a + 1)
-        torch.stack((k, v), out=self.kv_of[l][a])  # (2, Hkv, D): the slot's row, one copy
+        torch.cat((k, v), out=self.new_rows_of[l][a])  # (2, Hkv, 1, D): the slot's row, one copy
         self.slot_tok_of[l][a] = self.n_tok[l]
         self.slot_count_of[l][a] = 0
         self.n_act[l] = a + 1
@@ -321,9 +325,6 @@ class FreezeTiers:
         # over the bytes instead of two (into a temporary, then out of it). With ~2,800 rows a
         # step coming back, all out of cache, that halves the thaws' copy (2 ms a step to 1)
         self.p.tiers.bytes_to_device += len(rows) * kv.shape[1] * kv.element_size()  # as to_device counts
-        start = 0
-        for l in range(self.L):
+        for l, rows_l in enumerate(rows.split(r)):  # rows_l (r[l],): layer l's
             if r[l]:
-                stop = start + r[l]
-                torch.index_select(kv_host, 0, rows[start:stop], out=self.kv_of[l].view(self.cap, -1)[m[l] : m[l] + r[l]])
-                start = stop
+                torch.index_select(kv_host, 0, rows_l, out=self.rows_of[l][m[l] : m[l] + r[l]])

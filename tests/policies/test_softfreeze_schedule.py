@@ -47,7 +47,7 @@ def run_twins(spec, n_layers, n_prompt, steps, seed, ops=(), discrete=False):
     for t in range(steps):
         if t:
             for l in range(n_layers):
-                k, v = torch.randn(Hkv, D, generator=g), torch.randn(Hkv, D, generator=g)
+                k, v = torch.randn(1, Hkv, 1, D, generator=g), torch.randn(1, Hkv, 1, D, generator=g)  # as decode gets them
                 a.append(l, k, v)
                 b.append(l, k, v)
         # scores from a few values make ties with tau (and with the relative threshold) common
