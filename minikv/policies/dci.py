@@ -48,6 +48,7 @@ import torch
 
 from .. import hugepages
 from ..kernels.dci_scores.reference import stable_topk
+from .dci_pages import SlotMap, build_slot_map, select_pages_dense
 from .dci_search import CLOSEST, LevelLayout, build_layout, field_of_view, search, search_levels
 
 FIRST_PROMOTION = 100  # a point in 100 reaches level 2 (the authors' ratio_1 = 0.01)
@@ -105,9 +106,10 @@ class DCIForest:
     """One DCI tree per KV head over the same tokens (their keys differ per head). Tree ids are
     insertion order: tree id t is the t-th key inserted. See the module docstring.
 
-    keys (H, cap, D) float32: the index's copy of the keys (the pages hold K and V for attention).
-    Per point: level (shared by the heads: the counter depends only on t), parent (H, cap), and its
-    page and slot (H, cap). Per page: fill (H, max_pages) and the tree id in each slot."""
+    slot_keys (H, max_pages P, D) float32: the index's copy of the keys, page by page (row c P + s
+    holds page c's slot s; empty slots are zero). Per point: level (shared by the heads: the counter
+    depends only on t), parent (H, cap), and its page, slot and row col = page P + slot (H, cap).
+    Per page: fill (H, max_pages) and the tree id in each slot."""
 
     def __init__(self, *, n_heads: int, head_dim: int, page_size: int, capacity: int, u: torch.Tensor,
                  first: int = FIRST_PROMOTION, nxt: int = NEXT_PROMOTION, backend: str = "eager"):
@@ -120,15 +122,18 @@ class DCIForest:
         self.max_pages = capacity // P + capacity // first + 2
         self.n = 0
         self.top = 0  # number of levels (0: empty tree)
-        # the index's keys (H, capacity, D), all read by each search. The eager search multiplies
-        # the queries by every key in one product (dci_search.py): stored transposed, (H, D, cap),
-        # that product is a plain (G, D) x (D, n) GEMM over contiguous rows, 1.3x faster than
-        # (n, D) rows when the keys come from memory (SmolLM2, 8k keys: 0.72 against 0.96 ms per
-        # layer). The Triton scorer gathers key rows, so it keeps them row-major.
+        # the index's keys, page-major: (H, max_pages P, D), a point's row its page's P rows plus its
+        # slot. A point never changes page, so the rows never move; the eager search multiplies the
+        # queries by every row at once and takes each page's best key as a max over P adjacent
+        # scores (dci_search.select_pages_dense). Stored transposed, (H, D, rows), that product is
+        # a plain (G, D) x (D, rows) GEMM over contiguous rows, 1.3x faster than row-major when the
+        # keys come from memory (SmolLM2, 8k keys: 0.72 against 0.96 ms per layer). The Triton
+        # scorer gathers key rows, so it keeps them row-major.
+        rows = self.max_pages * P
         if backend == "eager":
-            self.keys = hugepages.empty((H, D, capacity), torch.float32, "cpu").zero_().transpose(1, 2)
+            self.slot_keys = hugepages.empty((H, D, rows), torch.float32, "cpu").zero_().transpose(1, 2)
         else:
-            self.keys = hugepages.empty((H, capacity, D), torch.float32, "cpu").zero_()
+            self.slot_keys = hugepages.empty((H, rows, D), torch.float32, "cpu").zero_()
         # |k|^2 and c in float64: sqrt(c^2 - |k|^2) of the longest keys, the ones MIPS is about,
         # takes the square root of a difference near 0, where float32 would lose ~1e-3
         self.sq = torch.zeros(H, capacity, dtype=torch.float64)  # |k|^2
@@ -140,15 +145,18 @@ class DCIForest:
         self.level_lists: dict[int, list[int]] = {}
         self._level_ids: dict[int, torch.Tensor] = {}
         self._layouts: dict[tuple, LevelLayout] = {}  # per (level, search parameters), see layout()
+        self._slot_maps: dict[tuple, SlotMap] = {}  # per search parameters, see slot_map()
         self.parent = torch.full((H, capacity), -1, dtype=torch.int64)
         self.page_of = torch.full((H, capacity), -1, dtype=torch.int64)
         self.slot_of = torch.full((H, capacity), -1, dtype=torch.int64)
+        self.col = torch.full((H, capacity), -1, dtype=torch.int64)  # page P + slot: the key's row
         self.fill = torch.zeros(H, self.max_pages, dtype=torch.int64)
         self.page_token = torch.full((H, self.max_pages, P), -1, dtype=torch.int64)  # tree id per slot
         self.n_pages = [0] * H
         self.open_page: list[dict[int, int]] = [{} for _ in range(H)]  # parent -> its open page
         self.scored = 0  # keys scored by searches, and the keys in the tree at each: stats
         self.searched = 0
+        self.exhaustive_choices = 0  # select_pages_dense's candidate bound failed: every page computed
 
     # -- the MIPS transform (Eqs. 2-3) ---------------------------------------------------------
     def _project(self, uk: torch.Tensor, sq: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -161,13 +169,22 @@ class DCIForest:
         q = q.float()
         return (q @ self.u[:-1]) / q.norm(dim=-1).clamp_min(1e-30)
 
-    def _similarity(self, a: torch.Tensor, sq_a: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        # sim(a, b) = a.b + sqrt(c^2 - |a|^2) sqrt(c^2 - |b|^2): a (H, m, D), sq_a (H, m); b = the
-        # tree's points ids (n,) -> (H, m, n); the nearest under T_K has the largest sim
+    def _similarity(self, a: torch.Tensor, sq_a: torch.Tensor, b: torch.Tensor, sq_b: torch.Tensor) -> torch.Tensor:
+        # sim(a, b) = a.b + sqrt(c^2 - |a|^2) sqrt(c^2 - |b|^2): a (H, m, D), sq_a (H, m); b (H, n, D),
+        # sq_b (H, n) -> (H, m, n); the nearest under T_K has the largest sim
         c2 = (self.c * self.c)[:, None]
-        b, sq_b = self.keys[:, ids], self.sq[:, ids]
         tail = (c2 - sq_a).clamp_min(0).sqrt()[:, :, None] * (c2 - sq_b).clamp_min(0).sqrt()[:, None, :]
         return torch.bmm(a, b.transpose(1, 2)) + tail.float()
+
+    def key_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The keys of tree ids (m,) (placed in their pages) -> (H, m, D) float32."""
+        col = self.col[:, ids]  # (H, m)
+        return self.slot_keys.gather(1, col[:, :, None].expand(-1, -1, self.D))
+
+    def _write_rows(self, ids: torch.Tensor, keys: torch.Tensor) -> None:
+        # keys (H, m, D) of tree ids (m,), just placed: into their page rows
+        col = self.col[:, ids]
+        self.slot_keys.scatter_(1, col[:, :, None].expand(-1, -1, self.D), keys.float())
 
     def _grow_norm(self, sq_new: torch.Tensor) -> None:
         # sq_new (H, m): raise c where a new key is longer, and reproject every point exactly
@@ -175,19 +192,18 @@ class DCIForest:
         if torch.equal(c_new, self.c):
             return
         self.c = c_new
-        self._layouts = {}  # every projection changed
+        self._invalidate_layouts()  # every projection changed
         n = self.n
         self.proj[:, :n] = self._project(self.uk[:, :n], self.sq[:, :n], self.c)
 
     def _store(self, keys: torch.Tensor) -> None:
-        # keys (H, m, D): append points n..n+m-1 (keys, norms, projections)
+        # keys (H, m, D): append points n..n+m-1 (norms, projections; the key rows once placed)
         m, a = keys.shape[1], self.n
         if a + m > self.cap:
             raise ValueError(f"the DCI tree holds at most {self.cap} keys, {a + m} asked")
         k = keys.float()
         sq = k.double().square().sum(-1)
         self._grow_norm(sq)
-        self.keys[:, a:a + m] = k
         self.sq[:, a:a + m] = sq
         self.uk[:, a:a + m] = k @ self.u[:-1]
         self.proj[:, a:a + m] = self._project(self.uk[:, a:a + m], sq, self.c)
@@ -225,12 +241,14 @@ class DCIForest:
         self.n = n
         for level in range(1, self.top):  # each point's parent: its nearest point one level up
             ids, up = self.level_ids(level), self.level_ids(level + 1)
+            k_up = keys[:, up].float()
             for a in range(0, len(ids), 4096):  # bounded temporaries: (H, 4096, n_{l+1})
                 chunk = ids[a:a + 4096]
-                sim = self._similarity(self.keys[:, chunk], self.sq[:, chunk], up)
+                sim = self._similarity(keys[:, chunk].float(), self.sq[:, chunk], k_up, self.sq[:, up])
                 self.parent[:, chunk] = up[sim.argmax(dim=2)]
         for h in range(self.H):
             self._cut_pages(h)
+        self._write_rows(torch.arange(n), keys)
 
     def _cut_pages(self, h: int) -> None:
         # pages of head h: children of one parent, in projection order, runs of <= P
@@ -245,6 +263,7 @@ class DCIForest:
         page = (starts | (pos % P == 0)).cumsum(0) - 1
         self.page_of[h, order] = page
         self.slot_of[h, order] = pos % P
+        self.col[h, order] = page * P + pos % P
         self.page_token[h, page, pos % P] = order
         self.n_pages[h] = int(page[-1]) + 1
         self.fill[h, :self.n_pages[h]] = torch.bincount(page, minlength=self.n_pages[h])
@@ -276,13 +295,15 @@ class DCIForest:
                 parents = torch.full((self.H, end - t), -1, dtype=torch.int64)
             else:  # Alg. 4 with k = 1 at level l + 1, exactly (no point of the run is on level l + 1)
                 up = self.level_ids(level + 1)
-                parents = up[self._similarity(self.keys[:, run], self.sq[:, run], up).argmax(dim=2)]  # (H, r)
+                sim = self._similarity(keys[:, t - a:end - a].float(), self.sq[:, run], self.key_rows(up), self.sq[:, up])
+                parents = up[sim.argmax(dim=2)]  # (H, r)
             for u in range(t, end):
                 self._add_to_level(u, level)
-            self._layouts = {key: lay for key, lay in self._layouts.items() if key[0] != level}
+            self._invalidate_layouts(level)
             self.parent[:, run] = parents
             self.n = end
             self._place(run, parents)
+            self._write_rows(run, keys[:, t - a:end - a])
             t = end
 
     def _raise_top(self, t: int) -> None:
@@ -290,7 +311,7 @@ class DCIForest:
         # children, the root's pages its pages (no token moves), and t becomes the root's child
         old_top = self.level_ids(self.top)
         self.parent[:, old_top] = t
-        self._layouts = {}
+        self._invalidate_layouts()
         for h in range(self.H):
             if -1 in self.open_page[h]:
                 self.open_page[h][t] = self.open_page[h].pop(-1)
@@ -312,6 +333,7 @@ class DCIForest:
                 fill[h][page] += 1
         heads, tokens, pages, slots = (torch.tensor(x, dtype=torch.int64) for x in (heads, tokens, pages, slots))
         self.page_of[heads, tokens], self.slot_of[heads, tokens] = pages, slots
+        self.col[heads, tokens] = pages * P + slots
         self.page_token[heads, pages, slots] = tokens
         self.fill[heads, pages] = slots + 1
 
@@ -323,6 +345,19 @@ class DCIForest:
         if lay is None:
             lay = self._layouts[(level, prop, fov, batch)] = build_layout(self, level, prop, fov, batch)
         return lay
+
+    def search_layouts(self, prop: float, fov: int, batch: int) -> tuple[list[LevelLayout], SlotMap]:
+        """The layouts of levels top .. 1 and the rows' SlotMap (dci_pages), kept as layout()."""
+        layouts = [self.layout(level, prop, fov, batch) for level in range(self.top, 0, -1)]
+        sm = self._slot_maps.get((prop, fov, batch))
+        if sm is None:
+            sm = self._slot_maps[(prop, fov, batch)] = build_slot_map(self, layouts)
+        return layouts, sm
+
+    def _invalidate_layouts(self, level: int | None = None) -> None:
+        # level None: all of them; the slot maps read every level
+        self._layouts = {} if level is None else {key: lay for key, lay in self._layouts.items() if key[0] != level}
+        self._slot_maps = {}
 
     def candidates(self, q: torch.Tensor, heads: torch.Tensor, fov: int, prop: float, batch: int = CLOSEST,
                    dense: bool | None = None):
@@ -343,16 +378,20 @@ class DCIForest:
         return torch.where(scores.gather(2, best) > float("-inf"), found, -1)
 
     def select_pages(self, q: torch.Tensor, heads: torch.Tensor, k: int, fov: int | None = None, prop: float = 0.8,
-                     batch: int = CLOSEST):
+                     batch: int = CLOSEST, dense: bool | None = None):
         """Algorithm 3: per query, the first k distinct pages in order of their best scored key,
         i.e. the k pages of largest max q.k over the keys it scored (ties to the lower page).
-        q (B, G, D), heads (B,) -> pages (B, G, k) of the block's head, -1 pad."""
+        q (B, G, D), heads (B,) -> pages (B, G, k) of the block's head, -1 pad. dense (default
+        with the eager backend): from one product with every key row (dci_pages); otherwise the
+        maxima of each level's scored keys (search_levels), the reference: the same pages."""
         B, G, _ = q.shape
         if self.n == 0:
             return torch.full((B, G, k), -1, dtype=torch.int64)
+        fov = field_of_view(self.n) if fov is None else fov
+        if self.backend == "eager" if dense is None else dense:
+            return select_pages_dense(self, q, heads, k, fov, prop, batch)
         best = torch.full((B, G, self.max_pages + 1), float("-inf"))  # per page, its best scored key
-        for _, pages, scores in search_levels(self, q, heads, field_of_view(self.n) if fov is None else fov, prop,
-                                              batch):
+        for _, pages, scores in search_levels(self, q, heads, fov, prop, batch, dense=False):
             best.scatter_reduce_(2, pages[:, None].expand(B, G, -1), scores, "amax")
         best[:, :, self.max_pages] = float("-inf")
         k_eff = min(k, self.max_pages)
@@ -366,7 +405,8 @@ class DCIForest:
         return self.page_token[h, page, :int(self.fill[h, page])].tolist()
 
     def nbytes(self) -> int:
-        tensors = [self.keys, self.sq, self.uk, self.proj, self.c, self.level, self.pos_in_level, self.parent,
+        tensors = [self.slot_keys, self.col, self.sq, self.uk, self.proj, self.c, self.level, self.pos_in_level, self.parent,
                    self.page_of, self.slot_of, self.fill, self.page_token]
         tensors += [t for lay in self._layouts.values() for t in lay[:-1]]  # the search layouts
+        tensors += [t for sm in self._slot_maps.values() for t in sm[:-1]]
         return sum(t.numel() * t.element_size() for t in tensors)

@@ -57,6 +57,10 @@ class LevelLayout(NamedTuple):
     up: torch.Tensor  # (H, N) position of the node's parent on the level above
     m: torch.Tensor  # (H, N) children a query scores in the node (visited_per_node)
     page: torch.Tensor  # (H, n_l) the page of each position (a point never changes page)
+    col: torch.Tensor  # (H, n_l) the key row of each position (page P + slot, DCIForest.slot_keys)
+    in_level: torch.Tensor  # (H, n_l) each position's place in the level list (pos_in_level)
+    node_key: torch.Tensor  # (H, N) j 2^32: node j's part of a searchsorted value in pair_key
+    pos_info: torch.Tensor  # (H, 3, n_l) each position's node, the position, its node's m (dci_pages)
     whole: bool  # every node scored whole (m == size): an opened node needs no window
 
     def select(self, heads: torch.Tensor) -> "LevelLayout":
@@ -85,8 +89,10 @@ def build_layout(forest, level: int, prop: float, fov: int, batch: int) -> Level
     up = torch.zeros(H, N, dtype=torch.int64)  # the parents' positions one level up
     up.scatter_(1, node_of, forest.pos_in_level[par.clamp_min(0)])
     pair_key, m = node_windows(forest.proj.gather(1, order), node_of, start, size, prop, fov, batch)
+    pos_info = torch.stack((node_of, torch.arange(n_l).expand(H, n_l), m.gather(1, node_of)), 1)
     return LevelLayout(order, node_of, pair_key, start, up, m, forest.page_of.gather(1, order),
-                       bool((m == size).all()))
+                       forest.col.gather(1, order), forest.pos_in_level[order], (torch.arange(N) * 2**32).expand(H, N),
+                       pos_info, bool((m == size).all()))
 
 
 def visited_points(lay: LevelLayout, twice_pq: torch.Tensor, expanded: torch.Tensor | None):
@@ -121,6 +127,13 @@ def union_candidates(order: torch.Tensor, visit: torch.Tensor) -> tuple[torch.Te
     return cand, visit.gather(2, at[:, None].expand(B, G, C))
 
 
+def product_with_every_row(forest, qf: torch.Tensor, heads: torch.Tensor, same_heads: bool) -> torch.Tensor:
+    """qf (B, G, D) float32 -> (B, G, rows) q.k for every key row of the blocks' heads (empty rows 0)."""
+    rows = max(forest.n_pages) * forest.P
+    keys = forest.slot_keys[:, :rows] if same_heads else forest.slot_keys.index_select(0, heads)[:, :rows]
+    return torch.bmm(qf, keys.transpose(1, 2))
+
+
 def search(forest, q: torch.Tensor, heads: torch.Tensor, fov: int, prop: float, batch: int = CLOSEST,
            dense: bool | None = None):
     """Algorithm 4 with Flag = True: score the keys the tree search visits. q (B, G, D) blocks of
@@ -140,10 +153,9 @@ def search_levels(forest, q: torch.Tensor, heads: torch.Tensor, fov: int, prop: 
     qf = q.float()
     twice_pq = 2 * forest.query_projection(qf.reshape(B * G, D)).view(B, G, 1)  # 2 u.T_Q(q)
     same_heads = B == forest.H and torch.equal(heads, torch.arange(forest.H))  # the policy's case
-    every_key = None  # eager: (B, G, n) q.k for every key of the tree, in tree-id order
+    every_key = None  # eager: (B, G, rows) q.k for every key row of the tree, page by page
     if forest.backend == "eager" if dense is None else dense:
-        keys = forest.keys[:, :forest.n] if same_heads else forest.keys.index_select(0, heads)[:, :forest.n]
-        every_key = torch.bmm(qf, keys.transpose(1, 2))
+        every_key = product_with_every_row(forest, qf, heads, same_heads)
     forest.searched += B * G * forest.n
     expanded = None  # (B, G, n_{l+1} + 1) bool by position, the fov best of the level above; None: all
     for level in range(forest.top, 0, -1):
@@ -159,7 +171,7 @@ def search_levels(forest, q: torch.Tensor, heads: torch.Tensor, fov: int, prop: 
         k = min(fov, n_l) if level > 1 and not all_expanded else 0
         if every_key is not None:  # the level's points in layout order, what a query skips masked
             cand, pages = lay.order, lay.page
-            scores = every_key.gather(2, cand[:, None].expand(B, G, n_l))
+            scores = every_key.gather(2, lay.col[:, None].expand(B, G, n_l))
             if visit is not None:
                 scores = torch.where(visit, scores, float("-inf"))
             best = ranked(scores, k)
@@ -167,7 +179,8 @@ def search_levels(forest, q: torch.Tensor, heads: torch.Tensor, fov: int, prop: 
             cand, mask = union_candidates(lay.order, torch.ones(B, G, n_l, dtype=torch.bool) if visit is None else visit)
             pages = torch.where(cand >= 0, forest.page_of.index_select(0, heads).gather(1, cand.clamp_min(0)),
                                 forest.max_pages)
-            scores, best = dci_scores(qf, forest.keys, heads, cand, mask, min(k, cand.shape[1]),
+            rows = torch.where(cand >= 0, forest.col.index_select(0, heads).gather(1, cand.clamp_min(0)), -1)
+            scores, best = dci_scores(qf, forest.slot_keys, heads, rows, mask, min(k, cand.shape[1]),
                                       backend=forest.backend)
         yield cand, pages, scores
         if level > 1:

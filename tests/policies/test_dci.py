@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minikv.policies.dci import DCIForest, first_k_distinct, level_of, levels_of, random_direction
+from minikv.policies.dci_pages import select_pages_dense
 from minikv.policies.dci_search import (closest_per_node, field_of_view, node_windows, visited_per_node,
                                         window_starts)
 
@@ -54,7 +55,7 @@ def test_mips_transform_makes_the_nearest_key_the_largest_inner_product():
     dist = (tk - tq).square().sum(-1)
     assert torch.allclose(dist, 2 - 2 * (keys[0, :200].double() @ q.double()) / (q.norm().double() * c), atol=1e-6)
     assert int(dist.argmin()) == int((keys[0, :200] @ q).argmax())
-    sim = f._similarity(keys[:, :5], f.sq[:, :5], torch.arange(200))[0].double()  # (5, 200)
+    sim = f._similarity(keys[:, :5], f.sq[:, :5], f.key_rows(torch.arange(200)), f.sq[:, :200])[0].double()  # (5, 200)
     half_sq = (tk[:5, None] - tk[None]).square().sum(-1) / 2
     assert torch.allclose(1 - sim / c**2, half_sq, atol=1e-5)
     assert torch.equal(sim.argmax(1), half_sq.argmin(1))
@@ -156,7 +157,8 @@ def scored_by_a_loop(f, q, h, fov, prop, batch):
             nearest = sorted(children, key=lambda t: abs(float(f.proj[h, t]) - pq))[:m]
             level_scored += nearest
         scored.update(level_scored)
-        by_score = sorted(level_scored, key=lambda t: -float(f.keys[h, t] @ q))
+        keys = f.key_rows(torch.arange(f.n))[h]
+        by_score = sorted(level_scored, key=lambda t: -float(keys[t] @ q))
         expanded = set(by_score[:fov])
     return scored
 
@@ -189,7 +191,51 @@ def test_batched_search_equals_the_loop(n, fov, prop, batch, seed, policy_heads)
                 seen = scores[b, j] > float("-inf")
                 found = ids[b][seen]
                 assert set(found.tolist()) == scored_by_a_loop(f, q[b, j], h, fov, prop, batch)
-                torch.testing.assert_close(scores[b, j][seen], f.keys[h, found] @ q[b, j])
+                torch.testing.assert_close(scores[b, j][seen], f.key_rows(found)[h] @ q[b, j])
+
+
+@settings(max_examples=20)
+@given(n=st.integers(20, 500), fov=st.sampled_from([1, 5, 30]), prop=st.sampled_from([0.5, 0.8]),
+       batch=st.sampled_from([1, 4, 128]), k=st.sampled_from([1, 3, 12, 40]), candidates=st.sampled_from([1, 4]),
+       ties=st.booleans(), seed=st.integers(0, 1000), policy_heads=st.booleans())
+def test_page_choice_on_key_rows_equals_the_reference(n, fov, prop, batch, k, candidates, ties, seed, policy_heads):
+    """select_pages from one product with every page-major key row and the candidate bound
+    (dci_pages) picks exactly the reference's pages (the maxima of each level's scored keys,
+    search_levels), after the build and after every insert, whether the bound holds or every
+    page is computed, with tied scores (duplicate keys) broken to the lower page."""
+    g = torch.Generator().manual_seed(seed)
+    # ties: small integers, so that every q.k is exact whatever order a product sums in, and
+    # equal scores are equal bit for bit (many equal page maxima)
+    draw = (lambda *shape: torch.randint(-2, 3, shape, generator=g).float()) if ties else \
+        (lambda *shape: torch.randn(*shape, generator=g))
+    keys = draw(2, n, 8)
+    f = forest_of(keys, P=4, first=7, nxt=3, seed=seed)
+    heads = torch.tensor([0, 1]) if policy_heads else torch.tensor([1, 0])
+    f.build(keys[:, :n // 2])
+    for a in range(n // 2, n + 37, 37):
+        f.insert(keys[:, a - 37:min(a, n)]) if a > n // 2 else None
+        q = draw(2, 3, 8)
+        reference = f.select_pages(q, heads, k, fov, prop, batch, dense=False)
+        assert torch.equal(select_pages_dense(f, q, heads, k, fov, prop, batch, candidates), reference)
+        assert torch.equal(f.select_pages(q, heads, k, fov, prop, batch), reference)  # the eager default
+
+
+def test_page_choice_when_the_candidate_bound_fails():
+    """A field of view of 1 scores few keys: most pages with the largest keys are not visited,
+    one candidate per page is too few, the bound fails, and every page is computed: still the
+    reference's pages."""
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(2, 3000, 16, generator=g)
+    f = forest_of(keys)
+    f.build(keys)
+    q = torch.randn(2, 3, 16, generator=g)
+    heads = torch.arange(2)
+    reference = f.select_pages(q, heads, 8, fov=1, prop=0.5, dense=False)
+    assert f.exhaustive_choices == 0
+    assert torch.equal(select_pages_dense(f, q, heads, 8, 1, 0.5, 128, candidates=1), reference)
+    assert f.exhaustive_choices == 1
+    assert torch.equal(select_pages_dense(f, q, heads, 8, 1, 0.5, 128, candidates=40), reference)
+    assert f.exhaustive_choices == 1, "with 320 candidates the bound holds"
 
 
 # -- insertion invariant ---------------------------------------------------------------------------
@@ -214,7 +260,9 @@ def check_pages(f, keys):
         top = lv == f.top
         assert (par[top] == -1).all() and (par[~top] >= 0).all()
         assert torch.equal(lv[par[~top]], lv[~top] + 1), "a parent is one level up"
-    assert torch.equal(f.keys[:, :n], keys.float())
+    assert torch.equal(f.key_rows(torch.arange(n)), keys.float())
+    held = torch.zeros(H, f.slot_keys.shape[1], dtype=torch.bool).scatter_(1, f.col[:, :n], True)
+    assert not f.slot_keys[~held].any(), "a row that holds no key is zero"
 
 
 @settings(max_examples=25)
