@@ -142,8 +142,7 @@ class DCIForest:
         self.c = torch.zeros(H, dtype=torch.float64)  # running max key norm, per head
         self.level = torch.zeros(capacity, dtype=torch.int64)
         self.pos_in_level = torch.zeros(capacity, dtype=torch.int64)
-        self.level_lists: dict[int, list[int]] = {}
-        self._level_ids: dict[int, torch.Tensor] = {}
+        self._level_ids: dict[int, torch.Tensor] = {}  # level -> its tree ids (level_ids)
         self._layouts: dict[tuple, LevelLayout] = {}  # per (level, search parameters), see layout()
         self._slot_maps: dict[tuple, SlotMap] = {}  # per search parameters, see slot_map()
         self.parent = torch.full((H, capacity), -1, dtype=torch.int64)
@@ -210,17 +209,15 @@ class DCIForest:
 
     # -- levels ----------------------------------------------------------------------------------
     def level_ids(self, level: int) -> torch.Tensor:
-        ids = self._level_ids.get(level)
-        if ids is None:
-            ids = self._level_ids[level] = torch.tensor(self.level_lists.get(level, []), dtype=torch.int64)
-        return ids
+        """Tree ids on `level`, in insertion order (a point's place in it is pos_in_level)."""
+        return self._level_ids.get(level, torch.zeros(0, dtype=torch.int64))
 
-    def _add_to_level(self, t: int, level: int) -> None:
-        lst = self.level_lists.setdefault(level, [])
-        self.pos_in_level[t] = len(lst)
-        lst.append(t)
-        self.level[t] = level
-        self._level_ids.pop(level, None)
+    def _add_to_level(self, run: torch.Tensor, level: int) -> None:
+        # the points run (r,) join `level`, after its current points
+        ids = self.level_ids(level)
+        self.pos_in_level[run] = torch.arange(ids.numel(), ids.numel() + run.numel())
+        self.level[run] = level
+        self._level_ids[level] = torch.cat((ids, run))
 
     # -- building (Algorithm 2) --------------------------------------------------------------------
     def build(self, keys: torch.Tensor) -> None:
@@ -237,7 +234,7 @@ class DCIForest:
         for level in range(1, self.top + 1):
             ids = (levels == level).nonzero()[:, 0]
             self.pos_in_level[ids] = torch.arange(ids.numel())
-            self.level_lists[level] = ids.tolist()
+            self._level_ids[level] = ids
         self.n = n
         for level in range(1, self.top):  # each point's parent: its nearest point one level up
             ids, up = self.level_ids(level), self.level_ids(level + 1)
@@ -297,8 +294,7 @@ class DCIForest:
                 up = self.level_ids(level + 1)
                 sim = self._similarity(keys[:, t - a:end - a].float(), self.sq[:, run], self.key_rows(up), self.sq[:, up])
                 parents = up[sim.argmax(dim=2)]  # (H, r)
-            for u in range(t, end):
-                self._add_to_level(u, level)
+            self._add_to_level(run, level)
             self._invalidate_layouts(level)
             self.parent[:, run] = parents
             self.n = end

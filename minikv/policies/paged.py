@@ -288,8 +288,9 @@ class PagedKV:
         host_rows = self.host.view(-1, 2, self.P, self.D)
         if self.streams is None:
             page_gather(host_rows, flat, stage.host[buf], backend=self.gather_backend)
-            blocks = stage.dev[buf][:n]
-            blocks.copy_(stage.host[buf][:n])
+            blocks = stage.host[buf][:n]
+            if self.tiers.device.type != "cpu":  # on a CPU-only machine the staged blocks are already "there"
+                blocks = stage.dev[buf][:n].copy_(blocks)
             self.tiers.bytes_to_device += blocks.numel() * blocks.element_size()
             hnd_to_nhd(blocks, self.k_pages, self.v_pages, slots, heads, backend=self.backend)
             return
