@@ -24,12 +24,15 @@ start is one searchsorted, and a query's visited points are its windows in the o
 How the visited keys are scored. With the Triton backend, a block's queries (one KV head's query
 heads) share their candidates, the union of what they visit, gathered and scored by
 kernels/dci_scores, each key read once per block. The eager path on a CPU multiplies the queries
-by every key of the tree in one product instead and masks what a query does not visit to -inf:
+by every key row of the tree (DCIForest.slot_keys, page by page) in one product instead and masks
+what a query does not visit to -inf:
 a group's queries visit most of the tree between them (at 8k keys the field of view's 30 nodes
 of ~125 children are half of level 1 per query, and the union of a group's three queries two
 thirds), and one product over contiguous keys costs less on a CPU than gathering two thirds of
 them (about 0.5 against 1.5 ms per layer on SmolLM2 at 8k keys). Either way a query's scores, and the
 search's result, are exactly Algorithm 4's: the stats count the keys the search visits.
+DCIForest.select_pages takes the eager path's pages from that product without scoring each
+level in layout order (dci_pages.py); search_levels is the reference it is tested against.
 """
 from __future__ import annotations
 
