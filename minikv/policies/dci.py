@@ -87,19 +87,13 @@ def random_direction(head_dim: int, seed: int = 0) -> torch.Tensor:
 
 def first_k_distinct(x: torch.Tensor, k: int, n_values: int) -> torch.Tensor:
     """x (R, M) int64 values in [0, n_values) or -1 -> (R, k): each row's first k distinct values
-    in order of first appearance, -1 padded."""
-    R, M = x.shape
-    big = M + 1
-    first = torch.full((R, n_values + 1), big, dtype=torch.int64)
-    pos = torch.arange(M, dtype=torch.int64).expand(R, M)
-    first.scatter_reduce_(1, torch.where(x >= 0, x, n_values), pos, "amin")  # first position of each value
-    first[:, n_values] = big  # the padding column
-    k_eff = min(k, n_values + 1)
-    at, value = first.topk(k_eff, dim=1, largest=False, sorted=True)  # earliest first (positions distinct)
-    out = torch.where(at < big, value, -1)
-    if k_eff < k:
-        out = torch.cat((out, out.new_full((R, k - k_eff), -1)), dim=1)
-    return out
+    in order of first appearance, -1 padded. (On Python lists: a GQA merge is a few dozen
+    numbers, where a tensor op costs more than the loop.)"""
+    out = []
+    for row in x.tolist():
+        seen = list(dict.fromkeys(v for v in row if 0 <= v < n_values))[:k]
+        out.append(seen + [-1] * (k - len(seen)))
+    return torch.tensor(out, dtype=torch.int64).view(x.shape[0], k)
 
 
 class DCIForest:
@@ -144,7 +138,8 @@ class DCIForest:
         self.pos_in_level = torch.zeros(capacity, dtype=torch.int64)
         self._level_ids: dict[int, torch.Tensor] = {}  # level -> its tree ids (level_ids)
         self._layouts: dict[tuple, LevelLayout] = {}  # per (level, search parameters), see layout()
-        self._slot_maps: dict[tuple, SlotMap] = {}  # per search parameters, see slot_map()
+        self._joined: dict[tuple, list[torch.Tensor]] = {}  # layout key -> runs that joined its level since
+        self._slot_maps: dict[tuple, SlotMap] = {}  # per search parameters, see search_layouts()
         self.parent = torch.full((H, capacity), -1, dtype=torch.int64)
         self.page_of = torch.full((H, capacity), -1, dtype=torch.int64)
         self.slot_of = torch.full((H, capacity), -1, dtype=torch.int64)
@@ -295,7 +290,7 @@ class DCIForest:
                 sim = self._similarity(keys[:, t - a:end - a].float(), self.sq[:, run], self.key_rows(up), self.sq[:, up])
                 parents = up[sim.argmax(dim=2)]  # (H, r)
             self._add_to_level(run, level)
-            self._invalidate_layouts(level)
+            self._joined_level(level, run)
             self.parent[:, run] = parents
             self.n = end
             self._place(run, parents)
@@ -336,10 +331,14 @@ class DCIForest:
     # -- query (Algorithms 3 and 4) ----------------------------------------------------------------
     def layout(self, level: int, prop: float, fov: int, batch: int) -> LevelLayout:
         """The query-independent part of a level's search (dci_search.build_layout), kept until
-        an insertion or a growth of c (both change projections or nodes)."""
-        lay = self._layouts.get((level, prop, fov, batch))
-        if lay is None:
-            lay = self._layouts[(level, prop, fov, batch)] = build_layout(self, level, prop, fov, batch)
+        an insertion or a growth of c (both change projections or nodes). After points joined
+        the level and nothing else changed, they are merged into the kept one's order."""
+        key = (level, prop, fov, batch)
+        lay = self._layouts.get(key)
+        joined = self._joined.pop(key, None)
+        if lay is None or joined:
+            lay = self._layouts[key] = build_layout(self, level, prop, fov, batch, lay,
+                                                    torch.cat(joined) if joined else None)
         return lay
 
     def search_layouts(self, prop: float, fov: int, batch: int) -> tuple[list[LevelLayout], SlotMap]:
@@ -353,6 +352,14 @@ class DCIForest:
     def _invalidate_layouts(self, level: int | None = None) -> None:
         # level None: all of them; the slot maps read every level
         self._layouts = {} if level is None else {key: lay for key, lay in self._layouts.items() if key[0] != level}
+        self._joined = {key: runs for key, runs in self._joined.items() if key in self._layouts}
+        self._slot_maps = {}
+
+    def _joined_level(self, level: int, run: torch.Tensor) -> None:
+        # the points run (r,) joined `level` and nothing else changed: its layouts merge them later
+        for key in self._layouts:
+            if key[0] == level:
+                self._joined.setdefault(key, []).append(run)
         self._slot_maps = {}
 
     def candidates(self, q: torch.Tensor, heads: torch.Tensor, fov: int, prop: float, batch: int = CLOSEST,

@@ -64,23 +64,22 @@ class LevelLayout(NamedTuple):
     in_level: torch.Tensor  # (H, n_l) each position's place in the level list (pos_in_level)
     node_key: torch.Tensor  # (H, N) j 2^32: node j's part of a searchsorted value in pair_key
     pos_info: torch.Tensor  # (H, 3, n_l) each position's node, the position, its node's m (dci_pages)
+    sort_key: torch.Tensor  # (H, n_l) int64 the order's key (node_sort_key), ascending
     whole: bool  # every node scored whole (m == size): an opened node needs no window
 
     def select(self, heads: torch.Tensor) -> "LevelLayout":
         return LevelLayout(*(t.index_select(0, heads) for t in self[:-1]), self.whole)
 
 
-def build_layout(forest, level: int, prop: float, fov: int, batch: int) -> LevelLayout:
-    """The part of a level's search that does not depend on the query (see LevelLayout)."""
+def build_layout(forest, level: int, prop: float, fov: int, batch: int, base: LevelLayout | None = None,
+                 new: torch.Tensor | None = None) -> LevelLayout:
+    """The part of a level's search that does not depend on the query (see LevelLayout). base,
+    new: the level's layout before the points new (r,) joined it (nothing else changed): their
+    order is merged into base's instead of sorting the level again."""
     H = forest.H
-    ids = forest.level_ids(level)
-    n_l = ids.numel()
-    # one sort by (parent, projection), ties to the older point (ids ascend): the parent above
-    # the projection's 32 order bits
-    par = forest.parent[:, ids]  # (H, n_l)
-    by_node = ((par + 1) * 2**32 + float_order(forest.proj[:, ids])).argsort(dim=1, stable=True)
-    order = ids[by_node]  # tree ids (H, n_l)
-    par = par.gather(1, by_node)
+    order, sort_key = by_node(forest, forest.level_ids(level)) if base is None else merged_by_node(forest, base, new)
+    n_l = order.shape[1]
+    par = forest.parent.gather(1, order)
     starts = torch.ones(H, n_l, dtype=torch.bool)
     starts[:, 1:] = par[:, 1:] != par[:, :-1]
     node_of = starts.cumsum(1) - 1  # (H, n_l)
@@ -95,7 +94,36 @@ def build_layout(forest, level: int, prop: float, fov: int, batch: int) -> Level
     pos_info = torch.stack((node_of, torch.arange(n_l).expand(H, n_l), m.gather(1, node_of)), 1)
     return LevelLayout(order, node_of, pair_key, start, up, m, forest.page_of.gather(1, order),
                        forest.col.gather(1, order), forest.pos_in_level[order], (torch.arange(N) * 2**32).expand(H, N),
-                       pos_info, bool((m == size).all()))
+                       pos_info, sort_key, bool((m == size).all()))
+
+
+def node_sort_key(forest, ids: torch.Tensor) -> torch.Tensor:
+    """(H, n) int64: the parent above the projection's 32 order bits (the layout's order)."""
+    return (forest.parent[:, ids] + 1) * 2**32 + float_order(forest.proj[:, ids])
+
+
+def by_node(forest, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids (n,) ascending -> (order (H, n) tree ids by parent, then projection, ties to the older
+    point; their sort keys)."""
+    key = node_sort_key(forest, ids)
+    at = key.argsort(dim=1, stable=True)
+    return ids[at], key.gather(1, at)
+
+
+def merged_by_node(forest, base: LevelLayout, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """by_node of base's points and new (r,) (ids above all of base's), by merging: each new
+    point goes after the base points of equal key (they are older), the new ones in by_node order."""
+    H, n_old = base.order.shape
+    r = new.numel()
+    order_new, key_new = by_node(forest, new)
+    ins = torch.searchsorted(base.sort_key, key_new, right=True)  # (H, r) base points at or below each
+    at = ins + torch.arange(r)  # the new points' final positions
+    # a base point moves up by the new points placed before it (those with ins <= its position)
+    before = torch.zeros(H, n_old + 1, dtype=torch.int64).scatter_add_(1, ins, torch.ones_like(ins)).cumsum(1)
+    old_at = torch.arange(n_old) + before[:, :n_old]
+    order = torch.empty(H, n_old + r, dtype=torch.int64).scatter_(1, old_at, base.order).scatter_(1, at, order_new)
+    key = torch.empty(H, n_old + r, dtype=torch.int64).scatter_(1, old_at, base.sort_key).scatter_(1, at, key_new)
+    return order, key
 
 
 def visited_points(lay: LevelLayout, twice_pq: torch.Tensor, expanded: torch.Tensor | None):

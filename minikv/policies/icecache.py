@@ -46,7 +46,7 @@ import time
 import torch
 
 from .base import LayerKV, Policy, dense_attention, register
-from .dci import CLOSEST, DCIForest, first_k_distinct, random_direction
+from .dci import CLOSEST, DCIForest, field_of_view, first_k_distinct, random_direction
 from .full import FullLayer
 from .paged import PagedKV, PagedLayer, Staging, check_page_geometry
 
@@ -166,7 +166,10 @@ class IceCacheLayer(PagedLayer):
         out = dense_attention(q, k, v)
         t0 = time.perf_counter()
         self.kv.prefill(k, v)
-        self.policy.t_index += time.perf_counter() - t0
+        f, pol = self.forest, self.policy
+        if self.anchor is None and f.n and f.backend == "eager":  # the search's layouts, with the tree
+            f.search_layouts(pol.prop, field_of_view(f.n) if pol.fov is None else pol.fov, pol.batch)
+        pol.t_index += time.perf_counter() - t0
         return out
 
     def decode(self, q, k, v, positions):
@@ -183,7 +186,7 @@ class IceCacheLayer(PagedLayer):
             pol.t_select += t1 - t0
             pol.t_recall += t2 - t1
         out = kv.attend(q1)[:, :, None]  # (1, Hq, 1, D)
-        self._read = (kv.length, kv.n_cand, kv.resident, kv.page_lens[0, :, kv.n_sink:kv.w0].clone())
+        self._read = (kv.length, kv.n_cand, [row[:] for row in kv.held], kv.page_lens[0, :, kv.n_sink:kv.w0].clone())
         t0 = time.perf_counter()
         kv.roll()  # a full window page leaves: its tokens into the tree and the host pages
         pol.t_index += time.perf_counter() - t0
@@ -199,7 +202,7 @@ class IceCacheLayer(PagedLayer):
         rows = []
         for h in range(self.kv.Hkv):
             toks = list(range(min(L, n_sink * P)))
-            for c, n in zip(held[h].tolist(), lens[h].tolist()):
+            for c, n in zip(held[h], lens[h].tolist()):
                 if c >= 0 and n:
                     toks += [n_sink * P + t for t in self.forest.page_token[h, c, :n].tolist()]
             toks += range((n_sink + n_cand) * P, L)

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from minikv.policies.dci import DCIForest, first_k_distinct, level_of, levels_of, random_direction
 from minikv.policies.dci_pages import select_pages_dense
-from minikv.policies.dci_search import (closest_per_node, field_of_view, node_windows, visited_per_node,
-                                        window_starts)
+from minikv.policies.dci_search import (build_layout, closest_per_node, field_of_view, node_windows,
+                                        visited_per_node, window_starts)
 
 
 def forest_of(keys, P=16, first=100, nxt=5, capacity=None, seed=0):
@@ -218,6 +218,29 @@ def test_page_choice_on_key_rows_equals_the_reference(n, fov, prop, batch, k, ca
         reference = f.select_pages(q, heads, k, fov, prop, batch, dense=False)
         assert torch.equal(select_pages_dense(f, q, heads, k, fov, prop, batch, candidates), reference)
         assert torch.equal(f.select_pages(q, heads, k, fov, prop, batch), reference)  # the eager default
+
+
+@settings(max_examples=20)
+@given(n=st.integers(10, 300), chunk=st.integers(1, 40), ties=st.booleans(), seed=st.integers(0, 1000))
+def test_layouts_merged_after_inserts_equal_a_fresh_build(n, chunk, ties, seed):
+    """A level's layout is kept across inserts and the points that joined it are merged into its
+    order (no sort of the level again): after each insert every level's layout equals one built
+    from scratch, field by field, equal projections (duplicate keys) included."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(2, n, 8, generator=g)
+    if ties:
+        keys = keys[:, torch.randint(0, max(n // 3, 1), (n,), generator=g)]
+    f = forest_of(keys, P=4, first=7, nxt=3, seed=seed)
+    f.build(keys[:, :n // 2])
+    for a in range(n // 2, n, chunk):
+        for level in range(f.top, 0, -1):
+            f.layout(level, 0.8, 5, 4)  # kept, to be merged at the next request
+        f.insert(keys[:, a:a + chunk])
+        for level in range(f.top, 0, -1):
+            kept, fresh = f.layout(level, 0.8, 5, 4), build_layout(f, level, 0.8, 5, 4)
+            assert kept.whole == fresh.whole
+            for name, x, y in zip(kept._fields, kept[:-1], fresh[:-1]):
+                assert torch.equal(x, y), name
 
 
 def test_page_choice_when_the_candidate_bound_fails():
