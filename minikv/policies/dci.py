@@ -139,7 +139,7 @@ class DCIForest:
         self._level_ids: dict[int, torch.Tensor] = {}  # level -> its tree ids (level_ids)
         self._layouts: dict[tuple, LevelLayout] = {}  # per (level, search parameters), see layout()
         self._joined: dict[tuple, list[torch.Tensor]] = {}  # layout key -> runs that joined its level since
-        self._slot_maps: dict[tuple, SlotMap] = {}  # per search parameters, see search_layouts()
+        self._slot_maps: dict[tuple, tuple] = {}  # per search parameters: (layouts, SlotMap), search_layouts()
         self.parent = torch.full((H, capacity), -1, dtype=torch.int64)
         self.page_of = torch.full((H, capacity), -1, dtype=torch.int64)
         self.slot_of = torch.full((H, capacity), -1, dtype=torch.int64)
@@ -343,11 +343,11 @@ class DCIForest:
 
     def search_layouts(self, prop: float, fov: int, batch: int) -> tuple[list[LevelLayout], SlotMap]:
         """The layouts of levels top .. 1 and the rows' SlotMap (dci_pages), kept as layout()."""
-        layouts = [self.layout(level, prop, fov, batch) for level in range(self.top, 0, -1)]
-        sm = self._slot_maps.get((prop, fov, batch))
-        if sm is None:
-            sm = self._slot_maps[(prop, fov, batch)] = build_slot_map(self, layouts)
-        return layouts, sm
+        kept = self._slot_maps.get((prop, fov, batch))  # dropped whenever a layout changes
+        if kept is None:
+            layouts = [self.layout(level, prop, fov, batch) for level in range(self.top, 0, -1)]
+            kept = self._slot_maps[(prop, fov, batch)] = layouts, build_slot_map(self, layouts)
+        return kept
 
     def _invalidate_layouts(self, level: int | None = None) -> None:
         # level None: all of them; the slot maps read every level
@@ -384,7 +384,8 @@ class DCIForest:
                      batch: int = CLOSEST, dense: bool | None = None):
         """Algorithm 3: per query, the first k distinct pages in order of their best scored key,
         i.e. the k pages of largest max q.k over the keys it scored (ties to the lower page).
-        q (B, G, D), heads (B,) -> pages (B, G, k) of the block's head, -1 pad. dense (default
+        q (B, G, D), heads (B,) (None: block b searches head b) -> pages (B, G, k) of the block's
+        head, -1 pad. dense (default
         with the eager backend): from one product with every key row (dci_pages); otherwise the
         maxima of each level's scored keys (search_levels), the reference: the same pages."""
         B, G, _ = q.shape
@@ -393,6 +394,7 @@ class DCIForest:
         fov = field_of_view(self.n) if fov is None else fov
         if self.backend == "eager" if dense is None else dense:
             return select_pages_dense(self, q, heads, k, fov, prop, batch)
+        heads = torch.arange(self.H) if heads is None else heads
         best = torch.full((B, G, self.max_pages + 1), float("-inf"))  # per page, its best scored key
         for _, pages, scores in search_levels(self, q, heads, fov, prop, batch, dense=False):
             best.scatter_reduce_(2, pages[:, None].expand(B, G, -1), scores, "amax")
@@ -411,5 +413,5 @@ class DCIForest:
         tensors = [self.slot_keys, self.col, self.sq, self.uk, self.proj, self.c, self.level, self.pos_in_level, self.parent,
                    self.page_of, self.slot_of, self.fill, self.page_token]
         tensors += [t for lay in self._layouts.values() for t in lay[:-1]]  # the search layouts
-        tensors += [t for sm in self._slot_maps.values() for t in sm[:-1]]
+        tensors += [t for _, sm in self._slot_maps.values() for t in sm[:-1]]
         return sum(t.numel() * t.element_size() for t in tensors)

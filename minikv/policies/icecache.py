@@ -139,7 +139,6 @@ class IceCacheLayer(PagedLayer):
                                 dtype=policy.dtype, tiers=policy.tiers, backend=policy.backend,
                                 staging=policy.staging)
         self.G = cfg.n_heads // cfg.n_kv_heads
-        self.kv_heads = torch.arange(cfg.n_kv_heads)
         self.selection = None  # (Hkv, K) page ids read by the last decode step, -1 pads
         self._read = None  # what the last decode step's attention read, for attended_indices
 
@@ -154,7 +153,7 @@ class IceCacheLayer(PagedLayer):
             return out
         # each query head searches its KV head's tree: blocks of the G query heads of a group
         # (the tree lives on the host: the query goes there, as in the authors' code)
-        pages = f.select_pages(q[0].view(f.H, self.G, -1).cpu(), self.kv_heads, K, pol.fov, pol.prop,
+        pages = f.select_pages(q[0].view(f.H, self.G, -1).cpu(), None, K, pol.fov, pol.prop,
                                pol.batch)  # (Hkv, G, K)
         # GQA: the group's lists interleaved round-robin, the first K distinct kept
         rounds = pages.transpose(1, 2).reshape(f.H, K * self.G)

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minikv.policies.dci import DCIForest, first_k_distinct, level_of, levels_of, random_direction
-from minikv.policies.dci_pages import select_pages_dense
+from minikv.kernels.dci_scores.reference import float_order
+from minikv.policies.dci_pages import few_float_orders, select_pages_dense
 from minikv.policies.dci_search import (build_layout, closest_per_node, field_of_view, node_windows,
                                         visited_per_node, window_starts)
 
@@ -79,6 +80,13 @@ def test_promotion_counter():
     assert levels[12499] == 5 and sum(x >= 2 for x in levels) == 125 and sum(x >= 3 for x in levels) == 25
     assert field_of_view(100) == 30 and field_of_view(40_000) == 60
     assert levels_of(torch.arange(12500)).tolist() == levels
+
+
+def test_few_float_orders_equal_float_order():
+    x = torch.tensor([[0.0, -0.0, 1.5, -1.5], [3e38, -3e38, 1e-45, -1e-45], [float("inf"), float("-inf"), 2.0, -2.0]])
+    assert torch.equal(few_float_orders(x), float_order(x))
+    order = few_float_orders(x).view(-1).argsort(stable=True)
+    assert torch.equal(x.view(-1)[order], x.view(-1).sort(stable=True).values)
 
 
 def test_first_k_distinct():
