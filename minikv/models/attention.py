@@ -27,6 +27,8 @@ def dense_attention(q, k, v, q_pos=None, k_pos=None, window: int | None = None, 
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     if q_pos is None and window is None and q.shape[2] == 1:
         # one query after all the keys (a decode step): it sees every key, no mask to build
+        if q.device.type == "cpu" and q.dtype == torch.float32:
+            return one_query_attention(q, k, v, scale)
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
     if q_pos is None:
         L, T = k.shape[2], q.shape[2]
@@ -36,3 +38,16 @@ def dense_attention(q, k, v, q_pos=None, k_pos=None, window: int | None = None, 
     if window is not None:
         visible &= (q_pos[:, :, None] - k_pos[:, None, :]) < window
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=scale, enable_gqa=gqa)
+
+
+def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (B, Hq, 1, D), k, v (B, Hkv, L, D) float32 on a CPU -> (B, Hq, 1, D): a decode step's
+    attention as two batched products, the G query heads of a KV head the G rows of one.
+    SDPA's CPU kernel is built for many query rows; for one it reads K and V at about 5 GB/s on
+    one thread where these products read at 7 (SmolLM2, 8,000 keys: 1.76 against 2.57 ms a layer;
+    500 keys: 54 against 61 us)."""
+    B, Hq, _, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    qg = q.reshape(B * Hkv, Hq // Hkv, D)
+    scores = torch.bmm(qg, k.reshape(B * Hkv, L, D).transpose(1, 2)).mul_(scale)  # (B Hkv, G, L)
+    return torch.bmm(torch.softmax(scores, dim=-1), v.reshape(B * Hkv, L, D)).view(B, Hq, 1, D)

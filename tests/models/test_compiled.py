@@ -98,14 +98,16 @@ def test_compiled_smollm2_follows_the_eager_model_under_a_policy(smollm2, compil
 
 def test_compiled_code_runs_the_products(compiled_smollm2):
     """A one-token decode step calls compiled graphs, one between two attentions, and no eager
-    linear or matmul: the products ran inside inductor's code, not in MKL called from Python."""
+    linear or matmul: the weights' products ran inside inductor's code, not in MKL called from
+    Python. The only eager products are the attention's own (the policy's, two per layer, over
+    head_dim)."""
     from torch.profiler import ProfilerActivity, profile
 
     model, tok = compiled_smollm2
     ids = torch.tensor([tok.encode("The capital of France is")])
     policy = make("full").bind(model.cfg, device="cpu", dtype=torch.float32, max_len=ids.shape[1] + 2)
     logits = model(ids, policy=policy, logits_at=torch.tensor([ids.shape[1] - 1]))
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         model(logits.argmax(-1)[:, None], positions=torch.tensor([[ids.shape[1]]]), policy=policy,
               logits_at=torch.tensor([0]))
     names = [e.key for e in prof.key_averages()]
@@ -114,7 +116,11 @@ def test_compiled_code_runs_the_products(compiled_smollm2):
     # the last finish and the head
     calls = sum(e.count for e in prof.key_averages() if "CompiledFxGraph" in e.key)
     assert calls == model.cfg.n_layers + 2
-    assert not {"aten::linear", "aten::mm", "aten::matmul", "aten::bmm"} & set(names)
+    assert not {"aten::linear", "aten::mm", "aten::matmul"} & set(names)
+    bmm = [e for e in prof.events() if e.name == "aten::bmm"]
+    assert len(bmm) == 2 * model.cfg.n_layers
+    D = model.cfg.head_dim
+    assert all(e.input_shapes[0][-1] in (D, ids.shape[1] + 1) and D in e.input_shapes[1] for e in bmm)
 
 
 def test_generate_cli_compile_prints_what_the_eager_model_does(smollm2, monkeypatch, capsys):
