@@ -49,15 +49,16 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, args, message):
 @pytest.mark.slow
 def test_shipped_file_is_what_the_command_produces(tmp_path):
     """Re-run the command on the shipped file's own corpus (its documents, tokens per document,
-    steps and k: the paper's 50 x 1,000 tokens, 32 steps; about 5-18 minutes of one core): the
-    same model identity, the same similarity up to one top-k membership per entry, and the same
+    steps and k: the paper's 50 x 1,000 tokens, 32 steps; about 4-18 minutes of one core): the
+    same model identity, the same similarity up to two top-k memberships per entry, and the same
     clusters and R-heads in every layer, for every N_r. So the shipped file is reproducible.
 
     A similarity entry is a mean over k x steps x documents of overlap counts, so it moves in
     steps of 1/(k steps docs) (9.8e-6 here). On another CPU the float sums of attention run in
     another order, and a near-tie between two tokens' scores can put the other one in a top-k
     set: the shipped file, made on an AVX2 machine, and a rerun on an AVX-512 one differ by one
-    such step in 14 of the 90 pairs of KV heads (30 layers x 3), with the same clusterings."""
+    such step in 14 of the 90 pairs of KV heads (30 layers x 3); a rerun on an Intel Xeon with
+    AMX by up to two steps in 38 of the 270 entries. The clusterings are the same on all three."""
     shipped = json.loads(SHIPPED.read_text())
     c = shipped["corpus"]
     doc = run_cluster_heads(tmp_path, "again.json", "--docs", str(c["docs"]), "--doc-tokens", str(c["doc_tokens"]),
@@ -66,5 +67,5 @@ def test_shipped_file_is_what_the_command_produces(tmp_path):
     one_membership = 1 / (c["topk"] * c["steps"] * c["docs"])
     for mine, theirs in zip(doc["similarity"], shipped["similarity"]):
         # + 1e-6: the file keeps six decimals
-        assert max(abs(x - y) for r1, r2 in zip(mine, theirs) for x, y in zip(r1, r2)) <= one_membership + 1e-6
+        assert max(abs(x - y) for r1, r2 in zip(mine, theirs) for x, y in zip(r1, r2)) <= 2 * one_membership + 1e-6
     assert doc["clusterings"] == shipped["clusterings"]
