@@ -119,7 +119,7 @@ class DCIForest:
         # the index's keys, page-major: (H, max_pages P, D), a point's row its page's P rows plus its
         # slot. A point never changes page, so the rows never move; the eager search multiplies the
         # queries by every row at once and takes each page's best key as a max over P adjacent
-        # scores (dci_search.select_pages_dense). Stored transposed, (H, D, rows), that product is
+        # scores (dci_pages.select_pages_dense). Stored transposed, (H, D, rows), that product is
         # a plain (G, D) x (D, rows) GEMM over contiguous rows, 1.3x faster than row-major when the
         # keys come from memory (SmolLM2, 8k keys: 0.72 against 0.96 ms per layer). The Triton
         # scorer gathers key rows, so it keeps them row-major.
