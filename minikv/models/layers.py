@@ -82,7 +82,6 @@ class Linear(nn.Linear):
             self._blocks_key = key
         return self._blocks
 
-
     def amx_packed(self) -> torch.Tensor | None:
         """The weight in oneDNN's blocked layout for AMX tiles, or None where that does not apply
         (not bfloat16 on a CPU with AMX). Kept per storage, like blocks(): a loaded or replaced

@@ -102,7 +102,7 @@ class DCIForest:
 
     slot_keys (H, max_pages P, D) float32: the index's copy of the keys, page by page (row c P + s
     holds page c's slot s; empty slots are zero). Per point: level (shared by the heads: the counter
-    depends only on t), parent (H, cap), and its page, slot and row col = page P + slot (H, cap).
+    depends only on t), parent (H, cap), and its page and slot (H, cap): its row is page P + slot.
     Per page: fill (H, max_pages) and the tree id in each slot."""
 
     def __init__(self, *, n_heads: int, head_dim: int, page_size: int, capacity: int, u: torch.Tensor,
@@ -139,11 +139,10 @@ class DCIForest:
         self._level_ids: dict[int, torch.Tensor] = {}  # level -> its tree ids (level_ids)
         self._layouts: dict[tuple, LevelLayout] = {}  # per (level, search parameters), see layout()
         self._joined: dict[tuple, list[torch.Tensor]] = {}  # layout key -> runs that joined its level since
-        self._slot_maps: dict[tuple, tuple] = {}  # per search parameters: (layouts, SlotMap), search_layouts()
+        self._searches: dict[tuple, tuple] = {}  # per search parameters: (layouts, SlotMap), search_layouts()
         self.parent = torch.full((H, capacity), -1, dtype=torch.int64)
         self.page_of = torch.full((H, capacity), -1, dtype=torch.int64)
         self.slot_of = torch.full((H, capacity), -1, dtype=torch.int64)
-        self.col = torch.full((H, capacity), -1, dtype=torch.int64)  # page P + slot: the key's row
         self.fill = torch.zeros(H, self.max_pages, dtype=torch.int64)
         self.page_token = torch.full((H, self.max_pages, P), -1, dtype=torch.int64)  # tree id per slot
         self.n_pages = [0] * H
@@ -170,15 +169,17 @@ class DCIForest:
         tail = (c2 - sq_a).clamp_min(0).sqrt()[:, :, None] * (c2 - sq_b).clamp_min(0).sqrt()[:, None, :]
         return torch.bmm(a, b.transpose(1, 2)) + tail.float()
 
+    def rows_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """(H, m) the slot_keys row of tree ids (m,), placed in their pages: page P + slot."""
+        return self.page_of[:, ids] * self.P + self.slot_of[:, ids]
+
     def key_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The keys of tree ids (m,) (placed in their pages) -> (H, m, D) float32."""
-        col = self.col[:, ids]  # (H, m)
-        return self.slot_keys.gather(1, col[:, :, None].expand(-1, -1, self.D))
+        return self.slot_keys.gather(1, self.rows_of(ids)[:, :, None].expand(-1, -1, self.D))
 
     def _write_rows(self, ids: torch.Tensor, keys: torch.Tensor) -> None:
         # keys (H, m, D) of tree ids (m,), just placed: into their page rows
-        col = self.col[:, ids]
-        self.slot_keys.scatter_(1, col[:, :, None].expand(-1, -1, self.D), keys.float())
+        self.slot_keys.scatter_(1, self.rows_of(ids)[:, :, None].expand(-1, -1, self.D), keys.float())
 
     def _grow_norm(self, sq_new: torch.Tensor) -> None:
         # sq_new (H, m): raise c where a new key is longer, and reproject every point exactly
@@ -255,7 +256,6 @@ class DCIForest:
         page = (starts | (pos % P == 0)).cumsum(0) - 1
         self.page_of[h, order] = page
         self.slot_of[h, order] = pos % P
-        self.col[h, order] = page * P + pos % P
         self.page_token[h, page, pos % P] = order
         self.n_pages[h] = int(page[-1]) + 1
         self.fill[h, :self.n_pages[h]] = torch.bincount(page, minlength=self.n_pages[h])
@@ -324,7 +324,6 @@ class DCIForest:
                 fill[h][page] += 1
         heads, tokens, pages, slots = (torch.tensor(x, dtype=torch.int64) for x in (heads, tokens, pages, slots))
         self.page_of[heads, tokens], self.slot_of[heads, tokens] = pages, slots
-        self.col[heads, tokens] = pages * P + slots
         self.page_token[heads, pages, slots] = tokens
         self.fill[heads, pages] = slots + 1
 
@@ -343,24 +342,22 @@ class DCIForest:
 
     def search_layouts(self, prop: float, fov: int, batch: int) -> tuple[list[LevelLayout], SlotMap]:
         """The layouts of levels top .. 1 and the rows' SlotMap (dci_pages), kept as layout()."""
-        kept = self._slot_maps.get((prop, fov, batch))  # dropped whenever a layout changes
+        kept = self._searches.get((prop, fov, batch))  # dropped whenever a layout changes
         if kept is None:
             layouts = [self.layout(level, prop, fov, batch) for level in range(self.top, 0, -1)]
-            kept = self._slot_maps[(prop, fov, batch)] = layouts, build_slot_map(self, layouts)
+            kept = self._searches[(prop, fov, batch)] = layouts, build_slot_map(self, layouts)
         return kept
 
-    def _invalidate_layouts(self, level: int | None = None) -> None:
-        # level None: all of them; the slot maps read every level
-        self._layouts = {} if level is None else {key: lay for key, lay in self._layouts.items() if key[0] != level}
-        self._joined = {key: runs for key, runs in self._joined.items() if key in self._layouts}
-        self._slot_maps = {}
+    def _invalidate_layouts(self) -> None:
+        # projections or parents changed: every layout is built again, from scratch
+        self._layouts, self._joined, self._searches = {}, {}, {}
 
     def _joined_level(self, level: int, run: torch.Tensor) -> None:
         # the points run (r,) joined `level` and nothing else changed: its layouts merge them later
         for key in self._layouts:
             if key[0] == level:
                 self._joined.setdefault(key, []).append(run)
-        self._slot_maps = {}
+        self._searches = {}
 
     def candidates(self, q: torch.Tensor, heads: torch.Tensor, fov: int, prop: float, batch: int = CLOSEST,
                    dense: bool | None = None):
@@ -385,9 +382,9 @@ class DCIForest:
         """Algorithm 3: per query, the first k distinct pages in order of their best scored key,
         i.e. the k pages of largest max q.k over the keys it scored (ties to the lower page).
         q (B, G, D), heads (B,) (None: block b searches head b) -> pages (B, G, k) of the block's
-        head, -1 pad. dense (default
-        with the eager backend): from one product with every key row (dci_pages); otherwise the
-        maxima of each level's scored keys (search_levels), the reference: the same pages."""
+        head, -1 pad. dense (default with the eager backend): from one product with every key row
+        (dci_pages); otherwise the maxima of each level's scored keys (search_levels), the
+        reference: the same pages."""
         B, G, _ = q.shape
         if self.n == 0:
             return torch.full((B, G, k), -1, dtype=torch.int64)
@@ -410,8 +407,8 @@ class DCIForest:
         return self.page_token[h, page, :int(self.fill[h, page])].tolist()
 
     def nbytes(self) -> int:
-        tensors = [self.slot_keys, self.col, self.sq, self.uk, self.proj, self.c, self.level, self.pos_in_level, self.parent,
+        tensors = [self.slot_keys, self.sq, self.uk, self.proj, self.c, self.level, self.pos_in_level, self.parent,
                    self.page_of, self.slot_of, self.fill, self.page_token]
         tensors += [t for lay in self._layouts.values() for t in lay[:-1]]  # the search layouts
-        tensors += [t for _, sm in self._slot_maps.values() for t in sm[:-1]]
+        tensors += [t for _, sm in self._searches.values() for t in sm[:-1]]
         return sum(t.numel() * t.element_size() for t in tensors)

@@ -92,9 +92,10 @@ def build_layout(forest, level: int, prop: float, fov: int, batch: int, base: Le
     up.scatter_(1, node_of, forest.pos_in_level[par.clamp_min(0)])
     pair_key, m = node_windows(forest.proj.gather(1, order), node_of, start, size, prop, fov, batch)
     pos_info = torch.stack((node_of, torch.arange(n_l).expand(H, n_l), m.gather(1, node_of)), 1)
-    return LevelLayout(order, node_of, pair_key, start, up, m, forest.page_of.gather(1, order),
-                       forest.col.gather(1, order), forest.pos_in_level[order], (torch.arange(N) * 2**32).expand(H, N),
-                       pos_info, sort_key, bool((m == size).all()))
+    page = forest.page_of.gather(1, order)
+    return LevelLayout(order, node_of, pair_key, start, up, m, page, page * forest.P + forest.slot_of.gather(1, order),
+                       forest.pos_in_level[order], (torch.arange(N) * 2**32).expand(H, N), pos_info, sort_key,
+                       bool((m == size).all()))
 
 
 def node_sort_key(forest, ids: torch.Tensor) -> torch.Tensor:
@@ -210,7 +211,8 @@ def search_levels(forest, q: torch.Tensor, heads: torch.Tensor, fov: int, prop: 
             cand, mask = union_candidates(lay.order, torch.ones(B, G, n_l, dtype=torch.bool) if visit is None else visit)
             pages = torch.where(cand >= 0, forest.page_of.index_select(0, heads).gather(1, cand.clamp_min(0)),
                                 forest.max_pages)
-            rows = torch.where(cand >= 0, forest.col.index_select(0, heads).gather(1, cand.clamp_min(0)), -1)
+            slots = forest.slot_of.index_select(0, heads).gather(1, cand.clamp_min(0))
+            rows = torch.where(cand >= 0, pages * forest.P + slots, -1)
             scores, best = dci_scores(qf, forest.slot_keys, heads, rows, mask, min(k, cand.shape[1]),
                                       backend=forest.backend)
         yield cand, pages, scores

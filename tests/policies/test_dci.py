@@ -292,7 +292,7 @@ def check_pages(f, keys):
         assert (par[top] == -1).all() and (par[~top] >= 0).all()
         assert torch.equal(lv[par[~top]], lv[~top] + 1), "a parent is one level up"
     assert torch.equal(f.key_rows(torch.arange(n)), keys.float())
-    held = torch.zeros(H, f.slot_keys.shape[1], dtype=torch.bool).scatter_(1, f.col[:, :n], True)
+    held = torch.zeros(H, f.slot_keys.shape[1], dtype=torch.bool).scatter_(1, f.rows_of(torch.arange(n)), True)
     assert not f.slot_keys[~held].any(), "a row that holds no key is zero"
 
 
