@@ -20,7 +20,7 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.compiled = None  # a CompiledDecode after compile_decode()
+        self.compiled = None  # a CompiledModel after compile_decode()
 
     def compile_decode(self) -> bool:
         """Compile the blocks' work around the policy and the output head for decode steps
@@ -62,7 +62,7 @@ class DecoderLM(nn.Module):
         rope = (cos[:, None], sin[:, None])  # broadcast over heads
         x = self.embed(input_ids)  # (B, T, C)
         if decoding and self.compiled is not None:
-            x = self.compiled.blocks(self.blocks, x, positions, rope, policy)
+            x = self.compiled.blocks(x, positions, rope, policy)
         else:
             for i, block in enumerate(self.blocks):
                 layer_kv = policy.layer(i) if policy is not None else None
@@ -72,7 +72,7 @@ class DecoderLM(nn.Module):
         if logits_at is not None:
             x = x[torch.arange(B, device=x.device), logits_at]  # (B, C)
         if self.compiled is not None and logits_at is not None:  # one row per sequence
-            logits = self.compiled.head(self.final_norm, self.lm_head, x)
+            logits = self.compiled.head(x)
         else:
             logits = self.lm_head(self.final_norm(x)).float()
         if policy is not None:

@@ -21,14 +21,6 @@ MODELS = Path(__file__).resolve().parents[2] / "reference" / "models"
 RANDOM = sorted(p.name for p in MODELS.iterdir() if p.name != "smollm2" and (p / "config.json").exists())
 
 
-@pytest.fixture(scope="module", autouse=True)
-def room_for_every_config():
-    # one graph per model config: this file compiles more configs than dynamo's default limit
-    # of 8, past which it would quietly run the functions eagerly
-    with torch._dynamo.config.patch(recompile_limit=64):
-        yield
-
-
 @pytest.fixture(scope="module")
 def compiled_smollm2():
     model, tok = minikv.load("smollm2", device="cpu", dtype=torch.float32, progress=False, compile=True)
@@ -68,18 +60,22 @@ def test_compiled_decode_equals_transformers_logits(name):
     assert (prefill_then_decode(model, ref["input_ids"]) - ref["logits"]).abs().max().item() <= 1e-4
 
 
-def test_warm_up_compiles_what_a_decode_step_runs():
+def test_warm_up_compiles_what_a_decode_step_runs(monkeypatch):
     """Loading compiles (and checks) every graph a batch-of-one decode step calls: the first
-    real step compiles nothing more (a recompile there would cost seconds inside the first
-    timed step)."""
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()  # nothing compiled by earlier tests in this process
+    real step compiles nothing more (a compile there would cost seconds inside the first timed
+    step); a batch of another size compiles its own graphs once, on its first step."""
+    compiles = []
+    standalone_compile = compiled_module.torch._inductor.standalone_compile
+    monkeypatch.setattr(compiled_module.torch._inductor, "standalone_compile",
+                        lambda *a, **k: compiles.append(1) or standalone_compile(*a, **k))
     model = load_model(MODELS / RANDOM[0], device="cpu", dtype=torch.float32, compile=True)
     assert model.compiled is not None and model.cfg.n_layers >= 2
-    frames = counters["frames"]["total"]
+    assert len(compiles) == 4  # project, finish_then_project, finish, head
     prefill_then_decode(model, torch.randint(0, model.cfg.vocab_size, (1, 10)))
-    assert counters["frames"]["total"] == frames
+    assert len(compiles) == 4
+    for _ in range(2):
+        prefill_then_decode(model, torch.randint(0, model.cfg.vocab_size, (3, 9)))
+        assert len(compiles) == 8 and sorted(model.compiled.steps) == [1, 3]
 
 
 @pytest.mark.parametrize("spec", ["full", "streaming:sink=4,window=60", "freekv:budget=128"])
@@ -147,12 +143,10 @@ def test_compiling_says_so_on_a_terminal(monkeypatch, capsys):
 
 
 def test_without_a_working_compiler_decoding_stays_eager(monkeypatch, capsys):
-    def broken_compile(fn, **kwargs):
-        def run(*args):
-            raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore detail")
-        return run
+    def broken_compile(gm, inputs, **kwargs):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore detail")
 
-    monkeypatch.setattr(compiled_module.torch, "compile", broken_compile)
+    monkeypatch.setattr(compiled_module.torch._inductor, "standalone_compile", broken_compile)
     model = load_model(MODELS / "llama_gqa3", device="cpu", dtype=torch.float32, compile=True)
     err = capsys.readouterr().err
     assert model.compiled is None
