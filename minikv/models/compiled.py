@@ -128,10 +128,19 @@ class CompiledDecode:
         cos, sin = (t.contiguous() for t in rope)  # the layout the graphs were compiled for
         q, k, v = self.project(self.project_weights, x, cos, sin)  # a list of the graph's outputs
         for i, weights in enumerate(self.pair_weights):
-            y = attend(q, k, v, positions, policy.layer(i), decoding=True).contiguous()
+            y = self.attend(q, k, v, positions, policy.layer(i))
             x, q, k, v = self.pair(weights, x, y, cos, sin)
-        y = attend(q, k, v, positions, policy.layer(len(self.pair_weights)), decoding=True).contiguous()
+        y = self.attend(q, k, v, positions, policy.layer(len(self.pair_weights)))
         return self.finish(self.finish_weights, x, y)[0]
+
+    def attend(self, q, k, v, positions, layer_kv):
+        # the policy's attention, its output checked against what the graphs were compiled for:
+        # no guard does it, and compiled code handed another shape or dtype would read garbage
+        y = attend(q, k, v, positions, layer_kv, decoding=True)
+        if y.shape != q.shape or y.dtype != q.dtype:
+            raise RuntimeError(f"{type(layer_kv).__name__}.decode returned {tuple(y.shape)} {y.dtype}, "
+                               f"expected the query's {tuple(q.shape)} {q.dtype}")
+        return y.contiguous()
 
     def logits(self, x):
         # x (B, C) -> logits (B, V) float32
@@ -148,6 +157,8 @@ class CompiledModel:
 
     def step(self, batch_size: int) -> CompiledDecode:
         if batch_size not in self.steps:
+            if sys.stderr.isatty():
+                print(f"minikv: compiling the decode step for batch size {batch_size}", file=sys.stderr, flush=True)
             self.steps[batch_size] = CompiledDecode(self.model, batch_size)
         return self.steps[batch_size]
 

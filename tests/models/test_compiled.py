@@ -153,3 +153,17 @@ def test_without_a_working_compiler_decoding_stays_eager(monkeypatch, capsys):
     assert err.count("\n") == 1 and "No working C++ compiler found" in err and "decoding eagerly" in err
     ref = load_file(str(MODELS / "llama_gqa3" / "expected.safetensors"))
     assert (prefill_then_decode(model, ref["input_ids"][:1]) - ref["logits"][:1]).abs().max().item() <= 1e-4
+
+
+def test_a_policy_output_the_graphs_were_not_compiled_for_is_refused(monkeypatch):
+    """The compiled graphs run without guards: an attention output of another dtype or shape
+    than the query's is an error, not garbage read by code compiled for another layout."""
+    model = load_model(MODELS / "llama_gqa3", device="cpu", dtype=torch.float32, compile=True)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 9))
+    policy = make("full").bind(model.cfg, device="cpu", dtype=torch.float32, max_len=9)
+    model(ids[:, :8], policy=policy)
+    layer_type = type(policy.layer(0))
+    decode = layer_type.decode
+    monkeypatch.setattr(layer_type, "decode", lambda self, *a: decode(self, *a).double())
+    with pytest.raises(RuntimeError, match=r"decode returned \(1, \d+, 1, \d+\) torch.float64, expected"):
+        model(ids[:, 8:], positions=torch.tensor([[8]]), policy=policy)
