@@ -159,7 +159,7 @@ class SoftFreezeLayer(LayerKV):
         # FreezeTiers', made once: this runs 30 times a step, and the properties above build
         # theirs anew on every call)
         out, s = attention_relevance(q[:, :, 0], state.k_of[l].narrow(2, 0, a), state.v_of[l].narrow(2, 0, a),
-                                     self.lengths.fill_(a), backend=self.policy.backend)
+                                     None, backend=self.policy.backend)  # None: all a slots
         self.policy.scores[l] = s[0]
         return out[:, :, None]
 

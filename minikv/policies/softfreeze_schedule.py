@@ -54,7 +54,8 @@ class FreezeTiers:
         self.Hkv, self.D = cfg.n_kv_heads, cfg.head_dim
         dev, L, N = p.tiers.device, n_layers, p.max_len
         self.cap = 0
-        self.kv = self.slots = None  # allocated by reserve()
+        self.kv = self._slots = None  # allocated by reserve()
+        self.appended: list[tuple[int, int]] = []  # (flat slot l * cap + a, token) of appends not in slots yet
         self.kv_host = torch.empty((L, N, 2, self.Hkv, self.D), dtype=p.dtype, pin_memory=p.tiers.pin)
         # c_j lives beside the active slot (slot_count), so the per-step update is one add; a
         # frozen token's count waits in count by token index and comes back with it
@@ -71,8 +72,26 @@ class FreezeTiers:
         self.thaws = [0] * L
         self.next_thaw = NOT_FROZEN  # at most the earliest thaw_at of a frozen token: no check before it
 
+    @property
+    def slots(self) -> torch.Tensor:
+        """(2, L, cap): slot_tok and slot_count, the decoded tokens' own written first."""
+        if self.appended:
+            self._write_appended()
+        return self._slots
+
     slot_tok = property(lambda self: self.slots[0])  # (L, cap)
     slot_count = property(lambda self: self.slots[1])
+
+    def _write_appended(self) -> None:
+        # a decode step appends one token to each of the 30 layers; their slot fields are
+        # written here, when something first reads them, as two scatters instead of 60 scalar
+        # writes (~5 us each) inside the step
+        at, tok = zip(*self.appended)
+        self.appended = []
+        flat = self._slots.view(2, -1)  # (2, L cap)
+        at = torch.tensor(at, device=flat.device)
+        flat[0, at] = torch.tensor(tok, device=flat.device)
+        flat[1, at] = 0
 
     def reserve(self, n: int) -> None:
         """At least n slots in every layer."""
@@ -84,7 +103,7 @@ class FreezeTiers:
         if self.cap:
             kv[:, : self.cap] = self.kv
             slots[:, :, : self.cap] = self.slots
-        self.kv, self.slots, self.cap = kv, slots, cap
+        self.kv, self._slots, self.cap = kv, slots, cap
         # each layer's views, made once per growth: a decode step asks for them 30 times, and
         # indexing the stacked buffers anew costs ~8 view ops (microseconds) each time
         self.kv_of = list(kv.unbind(0))  # L x (cap, 2, Hkv, D)
@@ -94,8 +113,6 @@ class FreezeTiers:
         self.new_rows_of = [x[:, :, :, None] for x in self.kv_of]
         self.k_of = [x[:, 0].transpose(0, 1)[None] for x in self.kv_of]  # L x (1, Hkv, cap, D), as attention reads K
         self.v_of = [x[:, 1].transpose(0, 1)[None] for x in self.kv_of]
-        self.slot_tok_of = list(slots[0].unbind(0))  # L x (cap,)
-        self.slot_count_of = list(slots[1].unbind(0))
 
     # -- new tokens (the layers' prefill and decode) -----------------------------------------
     def fill(self, l: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -115,8 +132,7 @@ class FreezeTiers:
         a = self.n_act[l]
         self.reserve(a + 1)
         torch.cat((k, v), out=self.new_rows_of[l][a])  # (2, Hkv, 1, D): the slot's row, one copy
-        self.slot_tok_of[l][a] = self.n_tok[l]
-        self.slot_count_of[l][a] = 0
+        self.appended.append((l * self.cap + a, self.n_tok[l]))  # slot_tok = the token, slot_count = 0
         self.n_act[l] = a + 1
         self.n_tok[l] += 1
         return a + 1
@@ -222,7 +238,10 @@ class FreezeTiers:
         if p.score == "relative":
             # each layer's mean on its own row, as schedule_layer takes it: a padded row's sum
             # could round differently, and a threshold one ulp off could flip a token
-            tau = p.tau * torch.stack([s.mean() for s in scores])[:, None]  # (L, 1)
+            means = torch.empty(L, dtype=S.dtype, device=dev)  # each written in place: no stack of 30
+            for l, s in enumerate(scores):
+                torch.mean(s, dim=0, out=means[l])
+            tau = p.tau * means[:, None]  # (L, 1)
         else:
             tau = p.tau
         n_tok = torch.tensor(self.n_tok, device=dev)[:, None]
@@ -242,14 +261,17 @@ class FreezeTiers:
             freeze[lf, jf] = True
         f = freeze.sum(dim=1)  # (L,) tokens frozen per layer
         if len(lf):
-            tok = self.slot_tok[lf, jf]  # (f,)
-            d = p.duration[cf]  # line 5, Eq. 3 (tabulated)
-            self.thaw_at[lf, tok] = now + d  # lines 10-15 skip the new ones this step
-            self.frozen_at[lf, tok] = now
+            # flat indices, 1-d index ops on flat views: cheaper than (layer, j) pair indexing
+            at = lf * self.cap + jf  # (f,) the slots, in slots.view(2, -1)
+            tok = self.slots[0].view(-1).index_select(0, at)  # (f,) their tokens
+            key = lf * self.N + tok  # (f,) (layer, token) in the (L, N) tables, flat
+            d = p.duration.index_select(0, cf)  # line 5, Eq. 3 (tabulated)
+            self.thaw_at.view(-1).index_copy_(0, key, now + d)  # lines 10-15 skip the new ones this step
+            self.frozen_at.view(-1).index_fill_(0, key, now)
             if p.history is None:
-                self.count[lf, tok] = cf
+                self.count.view(-1).index_copy_(0, key, cf)
             self.next_thaw = min(self.next_thaw, now + int(d.min()))
-            self._freeze_all(lf, jf, tok)  # line 7
+            self._freeze_all(at, key)  # line 7
             self._close_holes(freeze, active, n - f)
         m = n - f  # (L,) active tokens after the freezes
         r = torch.zeros_like(m)
@@ -275,16 +297,17 @@ class FreezeTiers:
         the rows of a 2-d tensor as whole blocks, 3-4x faster than those of the 4-d view."""
         return self.kv.view(self.L * self.cap, -1), self.slots.view(2, -1), self.kv_host.view(self.L * self.N, -1)
 
-    def _freeze_all(self, lf: torch.Tensor, jf: torch.Tensor, tok: torch.Tensor) -> None:
-        """Copy the rows of slots jf of layers lf (holding tokens tok; all (f,)) to the host tier,
-        those the host does not hold yet."""
-        new = ~self.on_host[lf, tok]
-        lf, jf, tok = lf[new], jf[new], tok[new]
-        if len(lf):
+    def _freeze_all(self, at: torch.Tensor, key: torch.Tensor) -> None:
+        """Copy the rows of the slots at (flat, l cap + j) holding the tokens key (flat, l N + t;
+        both (f,)) to the host tier, those the host does not hold yet."""
+        on_host = self.on_host.view(-1)
+        new = (~on_host.index_select(0, key)).nonzero()[:, 0]
+        if len(new):
+            at, key = at.index_select(0, new), key.index_select(0, new)
             kv, _, kv_host = self._rows()
-            rows = self.p.tiers.to_host(kv.index_select(0, lf * self.cap + jf), fresh=True)  # (f', 2 Hkv D)
-            kv_host.index_copy_(0, (lf * self.N + tok).cpu(), rows)
-            self.on_host[lf, tok] = True
+            rows = self.p.tiers.to_host(kv.index_select(0, at), fresh=True)  # (f', 2 Hkv D)
+            kv_host.index_copy_(0, key.cpu(), rows)
+            on_host.index_fill_(0, key, True)
 
     def _close_holes(self, freeze: torch.Tensor, active: torch.Tensor, m: torch.Tensor) -> None:
         """remove_slots for every layer: the frozen slots below a layer's new length m[l] are
@@ -297,21 +320,23 @@ class FreezeTiers:
         holes, fill = holes[:, 0] * self.cap + holes[:, 1], fill[:, 0] * self.cap + fill[:, 1]
         kv, slots, _ = self._rows()
         kv.index_copy_(0, holes, kv.index_select(0, fill))
-        slots[:, holes] = slots[:, fill]
+        slots.index_copy_(1, holes, slots.index_select(1, fill))
 
     def _restore_all(self, lr: torch.Tensor, tr: torch.Tensor, m: torch.Tensor, r: torch.Tensor) -> None:
         """restore for every layer: layer lr's token tr (both (r,), layer-major, token order) is
         appended after that layer's m[lr] active slots, r[l] tokens in layer l."""
         self.reserve(int((m + r).max()))
-        first = torch.cumsum(r, 0) - r  # (L,) where each layer's tokens start in lr
-        slot = m[lr] + torch.arange(len(lr), device=lr.device) - first[lr]  # (r,)
-        at = lr * self.cap + slot
-        self._copy_back(lr * self.N + tr, at, m.tolist(), r.tolist())
+        # layer l's tokens go to slots m[l], m[l] + 1, ...: flat l cap + m[l] + (i - first[l]),
+        # i the token's place in lr and first[l] where layer l's tokens start there
+        shift = self.cap * torch.arange(self.L, device=lr.device) + m - (torch.cumsum(r, 0) - r)  # (L,)
+        at = shift.index_select(0, lr) + torch.arange(len(lr), device=lr.device)  # (r,)
+        key = lr * self.N + tr  # (r,) (layer, token) flat
+        self._copy_back(key, at, m.tolist(), r.tolist())
         _, slots, _ = self._rows()
-        slots[0, at] = tr
+        slots[0].index_copy_(0, at, tr)
         if self.p.history is None:
-            slots[1, at] = self.count[lr, tr]
-        self.thaw_at[lr, tr] = NOT_FROZEN
+            slots[1].index_copy_(0, at, self.count.view(-1).index_select(0, key))
+        self.thaw_at.view(-1).index_fill_(0, key, NOT_FROZEN)
 
     def _copy_back(self, rows: torch.Tensor, at: torch.Tensor, m: list[int], r: list[int]) -> None:
         """The K/V of the restored tokens: host rows `rows` (flat, layer-major, (r,)) to device

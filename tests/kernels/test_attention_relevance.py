@@ -102,6 +102,19 @@ def test_dispatch_defaults_and_scale(backend):
     assert not torch.allclose(out, out2) and torch.equal(s, s2)
 
 
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_no_lengths_reads_every_slot(backend):
+    """lengths=None (the caller sliced k and v to the active tokens) is every slot of every row:
+    the same results as lengths = L_cap, against the naive computation."""
+    case = dict(B=2, Hkv=3, group=3, D=64, lengths=[37, 37], L_cap=37, dtype=torch.float32, seed=5, strided_q=False)
+    q, k, v, lengths = make_inputs(case)
+    out, s = attention_relevance(q, k, v, None, backend=backend)
+    expected_out, expected_s = naive(q, k, v, lengths)
+    assert_close(out, expected_out, torch.float32)
+    assert_close(s, expected_s, torch.float32, atol=1e-4, rtol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip((out, s), attention_relevance(q, k, v, lengths, backend=backend)))
+
+
 def test_launcher_rejects_bad_layouts():
     fused = load_fused("attention_relevance")
     q, k, v = torch.zeros(1, 4, 16), torch.zeros(1, 3, 8, 16), torch.zeros(1, 3, 8, 16)

@@ -117,7 +117,7 @@ def scripted_relevance(table, driver):
         # the policy passes a view of its buffer (the active slots): find the layer by storage
         layer = next(layer for layer in driver.policy.layers if layer.k.data_ptr() == k.data_ptr())
         s = torch.zeros(1, k.shape[2])
-        n = int(lengths[0])
+        n = k.shape[2] if lengths is None else int(lengths[0])  # None: every slot of the view
         s[0, :n] = table[driver.policy.steps, layer.slot_tok[:n]]
         return out, s
     return fn

@@ -8,13 +8,16 @@ from .. import check_backend, load_fused
 from . import reference
 
 
-def attention_relevance(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+def attention_relevance(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None,
                         scale: float | None = None, *, backend: str = "eager"):
-    """q (B, Hq, D) over k, v (B, Hkv, L_cap, D) slots [0, lengths[b]) (lengths >= 1) ->
-    (out (B, Hq, D) in q's dtype, s (B, L_cap) float32 with s_j = mean_h |q_h . k_j|, 0 past the
-    length). scale (softmax only) defaults to 1/sqrt(D). triton wants q, k, v of one dtype."""
+    """q (B, Hq, D) over k, v (B, Hkv, L_cap, D) slots [0, lengths[b]) (lengths >= 1; None: every
+    slot of every row) -> (out (B, Hq, D) in q's dtype, s (B, L_cap) float32 with s_j = mean_h
+    |q_h . k_j|, 0 past the length). scale (softmax only) defaults to 1/sqrt(D). triton wants q,
+    k, v of one dtype."""
     if check_backend(backend) == "eager":
         return reference.attention_relevance(q, k, v, lengths, scale)
+    if lengths is None:
+        lengths = torch.full((k.shape[0],), k.shape[2], dtype=torch.int64, device=k.device)
     return load_fused("attention_relevance").attention_relevance(q, k, v, lengths, scale)
 
 

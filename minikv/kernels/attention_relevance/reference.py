@@ -3,7 +3,7 @@ Eager reference.
 
     q        (B, Hq, D)         the query of the token being decoded (after RoPE)
     k, v     (B, Hkv, L_cap, D) the active KV buffer; slots >= lengths[b] hold garbage, never read
-    lengths  (B,) int           active tokens per row, >= 1
+    lengths  (B,) int           active tokens per row, >= 1; None: every row reads all L_cap slots
     scale    float or None      softmax scale, default 1/sqrt(D)
     -> out   (B, Hq, D) in q's dtype: softmax(q k^T * scale) v over slots [0, lengths[b])
        s     (B, L_cap) float32: the relevance of Eq. 2 of the soft-freeze paper (ASR-KF-EGR),
@@ -42,7 +42,7 @@ def attention_relevance(q, k, v, lengths, scale=None):
     s = raw.view(B, Hq, L).abs().sum(dim=1).div_(Hq)  # (B, L) Eq. 2: mean over the Hq query heads of |q_h . k_j|
     scores = raw.mul_(scale)  # in place: raw is not read again
     vf = _float(v).reshape(B * Hkv, L, D)
-    if any(n != L for n in lengths.tolist()):  # (a list: one call, where a tensor test is three ops)
+    if lengths is not None and any(n != L for n in lengths.tolist()):  # (a list: one call, where a tensor test is three ops)
         visible = torch.arange(L, device=q.device) < lengths.to(q.device)[:, None]  # (B, L)
         # where() rather than a product keeps garbage slots (maybe NaN) out: 0 * NaN is NaN
         s = torch.where(visible, s, 0.0)
