@@ -186,7 +186,7 @@ def compile_decode(model) -> CompiledModel | None:
         compiled = CompiledModel(model)
     except Exception as e:  # inductor reports a missing compiler and the like as many types
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"minikv: torch.compile failed ({reason[:200]}); decoding eagerly", file=sys.stderr)
+        print(f"minikv: compiling the decode step failed ({reason[:200]}); decoding eagerly", file=sys.stderr)
         return None
     if on_terminal:
         print(f"minikv: decode step compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
