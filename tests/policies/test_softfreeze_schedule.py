@@ -91,3 +91,33 @@ def test_batched_schedule_over_a_long_run_with_every_kind_of_move():
         # a token's K/V goes to the host once: its refreezes (most freezes here) copy nothing
         assert a.p.tiers.bytes_to_host == int(a.on_host.sum()) * a.p.token_bytes() > 0
         assert sum(a.freezes) > 2 * int(a.on_host.sum())
+
+
+def test_appended_slots_read_as_written():
+    """append records the new slot's fields (token, c_j = 0) and writes them when something
+    reads the slots: read after every append, or only once after many appends across growths
+    of the buffers (a growth copies the slots, so it writes what is pending first), they are
+    the same."""
+    eager, lazy = twin_tiers("softfreeze", n_layers=3, max_len=300)
+    g = torch.Generator().manual_seed(0)
+    for l in range(3):
+        k, v = torch.randn(eager.Hkv, 5, eager.D, generator=g), torch.randn(eager.Hkv, 5, eager.D, generator=g)
+        eager.fill(l, k, v)
+        lazy.fill(l, k, v)
+    eager.slots[1].fill_(7)  # stale counts in the free slots: an append must reset its own
+    lazy.slots[1].fill_(7)
+    cap = lazy.cap
+    for t in range(150):
+        for l in range(3):
+            k, v = torch.randn(1, eager.Hkv, 1, eager.D, generator=g), torch.randn(1, eager.Hkv, 1, eager.D, generator=g)
+            eager.append(l, k, v)
+            lazy.append(l, k, v)
+            assert eager.slots is not None  # a read after every append
+    assert lazy.cap > cap and lazy.appended  # grown on the way, fields still pending
+    for l in range(3):
+        n = lazy.n_act[l]
+        assert lazy.slots[0, l, :n].tolist() == list(range(155))
+        assert lazy.slots[1, l, 5:n].tolist() == [0] * 150
+        assert torch.equal(lazy.slots[:, l, :n], eager.slots[:, l, :n])
+        assert torch.equal(lazy.kv[l, :n], eager.kv[l, :n])
+    assert not lazy.appended
