@@ -117,8 +117,16 @@ def matvec(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
     CPU threads, with nothing materialised, and it reads the weight faster than MKL's one-row
     SGEMM (README, Speed). Accumulates in float32 whatever the dtype.
 
-    x (..., in) holding one row; w (out, in) row-major -> (..., out)"""
-    y = (x.reshape(1, -1).float() * w.float()).sum(-1).to(x.dtype)  # (out,)
+    x (..., in) holding one row; w (out, in) row-major -> (..., out)
+
+    The row is made a buffer of its own first (as_strided onto its own layout: inductor
+    materialises the input of an as_strided). Otherwise inductor inlines whatever produced it
+    (a norm, the MLP's gate) into the loop over w's rows and recomputes it for every row: the
+    norm and the product of the output head at one thread took 4.6 ms in bfloat16 that way,
+    2.0 ms with the row computed once (float32: 4.1 and 3.8 ms)."""
+    xf = x.reshape(1, -1).float()  # (1, in)
+    xf = torch.as_strided(xf, xf.shape, xf.stride())
+    y = (xf * w.float()).sum(-1).to(x.dtype)  # (out,)
     y = y.view(*x.shape[:-1], -1)
     return y if bias is None else y + bias
 

@@ -24,3 +24,22 @@ def test_one_query_attention_equals_sdpa(B, Hq, Hkv, L):
     k[:, :, -1] = q[:, ::Hq // Hkv, 0] * 10
     v[:, :, -1] = 100.0
     assert (dense_attention(q, k, v)[:, ::Hq // Hkv] > 50).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_decode_attention_is_the_float32_one_rounded(dtype):
+    """bfloat16 / float16 on a CPU: the float32 computation over the same (half-precision) q, k,
+    v, rounded once at the end (within one unit of the half type's rounding of the exact result),
+    and close to SDPA's own half-precision result."""
+    g = torch.Generator().manual_seed(0)
+    B, Hq, Hkv, L, D = 1, 9, 3, 300, 64
+    k = (torch.randn(B, Hkv, L + 20, D, generator=g) * 3).to(dtype)[:, :, :L]
+    v = torch.randn(B, Hkv, L + 20, D, generator=g).to(dtype)[:, :, :L]
+    q = torch.randn(B, Hq, 1, D, generator=g).to(dtype)
+    out = dense_attention(q, k, v)
+    assert out.dtype == dtype and out.shape == (B, Hq, 1, D)
+    exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
+    eps = torch.finfo(dtype).eps  # one rounding of a float32 result: relative error <= eps / 2
+    torch.testing.assert_close(out.float(), exact, rtol=eps, atol=eps)
+    sdpa = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    torch.testing.assert_close(out, sdpa, rtol=2e-2, atol=2e-2)
