@@ -90,8 +90,8 @@ class FreezeTiers:
         self.appended = []
         flat = self._slots.view(2, -1)  # (2, L cap)
         at = torch.tensor(at, device=flat.device)
-        flat[0, at] = torch.tensor(tok, device=flat.device)
-        flat[1, at] = 0
+        flat[0].index_copy_(0, at, torch.tensor(tok, device=flat.device))
+        flat[1].index_fill_(0, at, 0)
 
     def reserve(self, n: int) -> None:
         """At least n slots in every layer."""
