@@ -43,7 +43,7 @@ class SlotMap(NamedTuple):
     info: torch.Tensor  # (H, 3, rows) int64: the row's node (numbered across levels from the top;
     #                     n_nodes for an empty row), its position in its level's layout, and its
     #                     node's window size m (LevelLayout.m)
-    empty: torch.Tensor  # (H, rows) bool: a slot that holds no key
+    empty: torch.Tensor  # (H, 1, rows) float32: -inf for a slot that holds no key, else 0
     n_nodes: int
 
     def select(self, heads: torch.Tensor) -> "SlotMap":
@@ -66,7 +66,7 @@ def build_slot_map(forest, layouts) -> SlotMap:
         offset += lay.start.shape[1]
     empty = node < 0
     node[empty] = offset
-    return SlotMap(info, empty, offset)
+    return SlotMap(info, torch.zeros(H, 1, rows).masked_fill_(empty[:, None], float("-inf")), offset)
 
 
 def window_starts_per_level(forest, S: torch.Tensor, twice_pq: torch.Tensor, layouts, fov: int) -> torch.Tensor:
@@ -159,11 +159,11 @@ def select_pages_dense(forest, q: torch.Tensor, heads: torch.Tensor, k: int, fov
     if not same_heads:
         layouts, sm = [lay.select(heads) for lay in layouts], sm.select(heads)
     twice_pq = 2 * forest.query_projection(qf.reshape(B * G, D)).view(B, G, 1)  # 2 u.T_Q(q)
-    S = product_with_every_row(forest, qf, heads, same_heads)  # (B, G, rows)
+    # (B, G, rows); empty slots -inf (never visited), added in the product: q.k + 0 is q.k
+    S = product_with_every_row(forest, qf, heads, same_heads, sm.empty)
     forest.searched += B * G * forest.n
     lo = window_starts_per_level(forest, S, twice_pq, layouts, fov)
     n_pages = S.shape[2] // P
-    S.masked_fill_(sm.empty[:, None], float("-inf"))  # empty slots (never visited)
     bound = page_max(S, P)  # a page's best key, visited or not: >= its visited max
     C = min(n_pages, candidates * k)
     if C < n_pages:

@@ -159,11 +159,15 @@ def union_candidates(order: torch.Tensor, visit: torch.Tensor) -> tuple[torch.Te
     return cand, visit.gather(2, at[:, None].expand(B, G, C))
 
 
-def product_with_every_row(forest, qf: torch.Tensor, heads: torch.Tensor, same_heads: bool) -> torch.Tensor:
-    """qf (B, G, D) float32 -> (B, G, rows) q.k for every key row of the blocks' heads (empty rows 0)."""
+def product_with_every_row(forest, qf: torch.Tensor, heads: torch.Tensor, same_heads: bool,
+                           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """qf (B, G, D) float32 -> (B, G, rows) q.k for every key row of the blocks' heads (empty rows
+    0), plus bias (B, 1, rows) if given (in the product's own pass: cheaper than a fill after it)."""
     rows = max(forest.n_pages) * forest.P
     keys = forest.slot_keys[:, :rows] if same_heads else forest.slot_keys.index_select(0, heads)[:, :rows]
-    return torch.bmm(qf, keys.transpose(1, 2))
+    if bias is None:
+        return torch.bmm(qf, keys.transpose(1, 2))
+    return torch.baddbmm(bias, qf, keys.transpose(1, 2))
 
 
 def search(forest, q: torch.Tensor, heads: torch.Tensor, fov: int, prop: float, batch: int = CLOSEST,

@@ -122,3 +122,24 @@ def test_recall_is_incremental_and_fills_dropped_slots():
 def test_impossible_window():
     with pytest.raises(ValueError, match="n_window"):
         make_store(n_window=0)
+
+
+@given(st.integers(1, 4), st.integers(1, 6), st.sampled_from([1, 2, 3]), st.integers(0, 2**31 - 1))
+def test_attend_reads_the_pool_as_the_page_table_says(P, S, G, seed):
+    """The eager attend (pool_attention: the identity table, the pool read in place) equals the
+    paged_attention reference, which gathers what the table lists: partly filled and unused slots
+    masked per KV head, whatever the hidden slots hold."""
+    from minikv.kernels.paged_attention import paged_attention
+    from minikv.policies.paged import pool_attention
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(S, P, H, D, generator=g), torch.randn(S, P, H, D, generator=g)
+    lens = torch.randint(0, P + 1, (1, H, S), generator=g, dtype=torch.int32)
+    lens[0, :, 0] = torch.randint(1, P + 1, (H,), generator=g, dtype=torch.int32)  # a token per head
+    q = torch.randn(1, H * G, D, generator=g)
+    table = torch.arange(S, dtype=torch.int32).expand(1, H, S).contiguous()
+    want = paged_attention(q, k, v, table, lens)
+    got = pool_attention(q, k, v, lens)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    k2 = k.clone()
+    k2[(torch.arange(P) >= lens[0, :, :, None]).permute(1, 2, 0)] = 1e4  # hidden keys change nothing
+    torch.testing.assert_close(pool_attention(q, k2, v, lens), want, rtol=1e-5, atol=1e-6)
