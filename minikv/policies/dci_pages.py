@@ -43,11 +43,11 @@ class SlotMap(NamedTuple):
     info: torch.Tensor  # (H, 3, rows) int64: the row's node (numbered across levels from the top;
     #                     n_nodes for an empty row), its position in its level's layout, and its
     #                     node's window size m (LevelLayout.m)
-    empty: torch.Tensor  # (H, 1, rows) float32: -inf for a slot that holds no key, else 0
+    empty_bias: torch.Tensor  # (H, 1, rows) float32: -inf for a slot that holds no key, else 0
     n_nodes: int
 
     def select(self, heads: torch.Tensor) -> "SlotMap":
-        return SlotMap(self.info.index_select(0, heads), self.empty.index_select(0, heads), self.n_nodes)
+        return SlotMap(self.info.index_select(0, heads), self.empty_bias.index_select(0, heads), self.n_nodes)
 
 
 def build_slot_map(forest, layouts) -> SlotMap:
@@ -160,7 +160,7 @@ def select_pages_dense(forest, q: torch.Tensor, heads: torch.Tensor, k: int, fov
         layouts, sm = [lay.select(heads) for lay in layouts], sm.select(heads)
     twice_pq = 2 * forest.query_projection(qf.reshape(B * G, D)).view(B, G, 1)  # 2 u.T_Q(q)
     # (B, G, rows); empty slots -inf (never visited), added in the product: q.k + 0 is q.k
-    S = product_with_every_row(forest, qf, heads, same_heads, sm.empty)
+    S = product_with_every_row(forest, qf, heads, same_heads, sm.empty_bias)
     forest.searched += B * G * forest.n
     lo = window_starts_per_level(forest, S, twice_pq, layouts, fov)
     n_pages = S.shape[2] // P
