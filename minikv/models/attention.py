@@ -45,14 +45,19 @@ def dense_attention(q, k, v, q_pos=None, k_pos=None, window: int | None = None, 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=scale, enable_gqa=gqa)
 
 
-def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                        hidden: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, Hq, 1, D), k, v (B, Hkv, L, D) float32 on a CPU -> (B, Hq, 1, D): a decode step's
     attention as two batched products, the G query heads of a KV head the G rows of one.
     SDPA's CPU kernel is built for many query rows; for one it reads K and V at about 5 GB/s on
     one thread where these products read at 7 (SmolLM2, 8,000 keys: 1.76 against 2.57 ms a layer;
-    500 keys: 54 against 61 us). Half-precision callers pass float32 copies (dense_attention)."""
+    500 keys: 54 against 61 us). Half-precision callers pass float32 copies (dense_attention).
+    hidden (B Hkv, 1, L) bool: keys given weight exactly 0 (a filled -inf; their values must be
+    finite, 0 times NaN being NaN); at least one key per row visible."""
     B, Hq, _, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     qg = q.reshape(B * Hkv, Hq // Hkv, D)
     scores = torch.bmm(qg, k.reshape(B * Hkv, L, D).transpose(1, 2)).mul_(scale)  # (B Hkv, G, L)
+    if hidden is not None:
+        scores.masked_fill_(hidden, float("-inf"))
     return torch.bmm(torch.softmax(scores, dim=-1), v.reshape(B * Hkv, L, D)).view(B, Hq, 1, D)

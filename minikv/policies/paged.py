@@ -51,6 +51,7 @@ import torch
 from ..kernels.page_gather import page_gather
 from ..kernels.page_layout import hnd_to_nhd, nhd_to_hnd
 from ..kernels.paged_attention import paged_attention
+from ..models.attention import one_query_attention
 from .base import LayerKV
 from .streams import CudaStreams
 
@@ -84,17 +85,15 @@ def check_page_geometry(page_size, budget, sink, window) -> None:
 def pool_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_lens: torch.Tensor) -> torch.Tensor:
     """paged_attention through the identity page table, reading the pool in place: q (1, Hq, D),
     k_pages, v_pages (S, P, Hkv, D), page_lens (1, Hkv, S) -> (1, Hq, D). Slot s of KV head m
-    shows its first page_lens[0, m, s] tokens; the rest get weight exactly 0 (a filled -inf
-    before the softmax). Unlike the reference it does not zero the hidden values: the pool only
-    ever holds KV written by the model, finite, and 0 times a finite value is 0. On a CPU, some
-    60 us less per layer than gathering the pool first (SmolLM2, 17 slots of 16)."""
+    shows its first page_lens[0, m, s] tokens; the rest get weight exactly 0. Unlike the
+    reference it does not zero the hidden values: the pool only ever holds KV written by the
+    model, finite, and 0 times a finite value is 0. On a CPU, some 60 us less per layer than
+    gathering the pool first (SmolLM2, 17 slots of 16)."""
     S, P, Hkv, D = k_pages.shape
-    Hq = q.shape[1]
     hidden = (torch.arange(P, device=q.device) >= page_lens[0, :, :, None]).view(Hkv, 1, S * P)
-    scores = torch.bmm(q.float().reshape(Hkv, Hq // Hkv, D), k_pages.view(S * P, Hkv, D).permute(1, 2, 0).float())
-    scores = scores.mul_(1.0 / math.sqrt(D)).masked_fill_(hidden, float("-inf"))
-    out = torch.bmm(torch.softmax(scores, dim=-1), v_pages.view(S * P, Hkv, D).transpose(0, 1).float())
-    return out.view(1, Hq, D).to(q.dtype)
+    k = k_pages.view(S * P, Hkv, D).transpose(0, 1)[None].float()  # (1, Hkv, S P, D): a view (a float32 copy in half precision)
+    v = v_pages.view(S * P, Hkv, D).transpose(0, 1)[None].float()
+    return one_query_attention(q.float()[:, :, None], k, v, 1.0 / math.sqrt(D), hidden)[:, :, 0].to(q.dtype)
 
 
 class Staging:
