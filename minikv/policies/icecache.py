@@ -185,7 +185,7 @@ class IceCacheLayer(PagedLayer):
             pol.t_select += t1 - t0
             pol.t_recall += t2 - t1
         out = kv.attend(q1)[:, :, None]  # (1, Hq, 1, D)
-        self._read = (kv.length, kv.n_cand, [row[:] for row in kv.held], kv.page_lens[0, :, kv.n_sink:kv.w0].clone())
+        self._read = (*kv.last_read, kv.page_lens[0, :, kv.n_sink:kv.w0].clone())  # attend's record, and the fills
         t0 = time.perf_counter()
         kv.roll()  # a full window page leaves: its tokens into the tree and the host pages
         pol.t_index += time.perf_counter() - t0
