@@ -1,0 +1,59 @@
+"""Timers the benchmarks install from outside: no policy carries a clock.
+
+A benchmark that wants to know where a decode step goes wraps the methods of the objects it
+cares about (a bound policy's layers, its storage) for as long as it measures:
+
+    totals = {}
+    with timed(policy.layers, ["select", "recall", "attend"], totals):
+        generate(...)
+    totals["select"]  # seconds spent in every layer's select() together
+
+The algorithms stay free of timing lines; a method that is not there on an object is skipped,
+so one call covers policies whose layers differ. On CUDA the clock is read after a
+synchronize, so a timed section includes the kernels it launched.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from contextlib import contextmanager
+from typing import Iterable
+
+import torch
+
+
+def _now(device_sync: bool) -> float:
+    if device_sync:
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+@contextmanager
+def timed(objects: Iterable[object], names: Iterable[str], totals: dict[str, float]):
+    """Add the wall time of every call of `obj.<name>` (for each object and name) to
+    totals[name] (seconds) while the block runs; the original methods come back on exit."""
+    sync = torch.cuda.is_available()
+    patched: list[tuple[object, str]] = []
+
+    def wrap(method, name):
+        @functools.wraps(method)
+        def timed_method(*args, **kwargs):
+            t0 = _now(sync)
+            try:
+                return method(*args, **kwargs)
+            finally:
+                totals[name] = totals.get(name, 0.0) + _now(sync) - t0
+        return timed_method
+
+    try:
+        for obj in objects:
+            for name in names:
+                method = getattr(obj, name, None)
+                if callable(method):
+                    setattr(obj, name, wrap(method, name))  # an instance attribute shadows the class's
+                    patched.append((obj, name))
+                    totals.setdefault(name, 0.0)
+        yield totals
+    finally:
+        for obj, name in patched:
+            delattr(obj, name)

@@ -1,0 +1,33 @@
+import time
+
+from minikv.bench.probes import timed
+
+
+class Layer:
+    def select(self, x):
+        time.sleep(0.01)
+        return x + 1
+
+    def attend(self, x):
+        return x * 2
+
+
+def test_timed_adds_each_call_and_restores_the_methods():
+    layers, totals = [Layer(), Layer()], {}
+    with timed(layers, ["select", "attend", "missing"], totals):
+        assert [layer.select(1) for layer in layers] == [2, 2]  # results pass through
+        assert layers[0].attend(3) == 6
+    assert totals["select"] >= 0.02 and totals["attend"] < totals["select"]
+    assert "missing" not in totals
+    assert "select" not in vars(layers[0])  # the class's method is back
+    assert layers[0].select.__func__ is Layer.select
+
+
+def test_timed_restores_after_an_error():
+    layer, totals = Layer(), {}
+    try:
+        with timed([layer], ["select"], totals):
+            layer.select("x")  # str + 1 raises
+    except TypeError:
+        pass
+    assert "select" not in vars(layer) and totals["select"] > 0
