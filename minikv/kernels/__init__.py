@@ -28,11 +28,13 @@ from types import ModuleType
 
 import torch
 
-BACKENDS = ("eager", "triton")
+BACKENDS = ("reference", "eager", "triton")
 
 
 def check_backend(backend: str) -> str:
-    """Return `backend` if it names a backend that can run here, else raise a ValueError.
+    """The kernel backend that `backend` runs, if it can run here, else raise a ValueError.
+    "reference" is a policy's readable algorithm (docs/design.md); its kernels are the eager
+    references, so it runs "eager" here.
 
     backend="triton" without CUDA runs in Triton's interpreter: allowed (with a warning, once,
     that it is slow) when the interpreter is in effect; refused at once when triton was imported
@@ -50,7 +52,7 @@ def check_backend(backend: str) -> str:
             _warned_slow = True
             warnings.warn("backend=triton without CUDA runs Triton's interpreter: same results, but seconds "
                           "per token; backend=eager is the fast CPU path", stacklevel=3)
-    return backend
+    return "eager" if backend == "reference" else backend
 
 
 _warned_slow = False

@@ -124,7 +124,8 @@ class Policy(ABC):
     max_batch: int | None = 1  # most policies follow one sequence; `full` takes any batch
 
     def __init__(self, *, backend: str = "eager"):
-        self.backend = check_backend(backend)
+        check_backend(backend)
+        self.backend = backend  # "reference": the policy's readable algorithm, if it has a faster one
         self.cfg: ModelConfig | None = None
         self.layers: list[LayerKV] = []
         self.steps = 0

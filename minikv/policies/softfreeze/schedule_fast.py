@@ -1,46 +1,34 @@
-"""softfreeze's two tiers and its schedule (Algorithm 1, lines 3-15, of the soft-freeze paper:
-"Adaptive Soft Rolling KV Freeze with Entropy-Guided Recovery", Metinov et al., 2025,
-https://arxiv.org/abs/2512.11221), for all layers of a model at once.
+"""softfreeze's tiers and Algorithm 1 (lines 3-15) for all layers at once: the fast form.
 
-Every layer judges its own tokens with its own relevance scores, but the steps of Algorithm 1 are
-the same in every layer. Run layer by layer they are ~25 small tensor ops per layer, 750 a step on
-a 30-layer model, which cost more than the K/V they move. So the state of all layers is stacked
-with a leading layer axis, the layers' attentions only record their scores, and after the last
-layer `schedule_all` runs the step for all layers at once: one comparison over a (layers, slots)
-tensor decides every freeze, one gather and one scatter move the frozen rows, one more pair closes
-the holes, one more brings the due tokens back. `schedule_layer` is the same step for one layer,
-written plainly: the reference the batched step is tested against (step by step, every tensor),
-and the one to read beside the paper. Both make the same decisions in the same order, so they
-leave the same tokens in the same slots.
+Paper: "Adaptive Soft Rolling KV Freeze with Entropy-Guided Recovery" (Metinov et al., arXiv
+2025, https://arxiv.org/abs/2512.11221). The readable form is schedule.py (Algorithm1Layer,
+`backend=reference`); this one runs by default (`backend=eager`, and `triton`), faster on a CPU
+because run layer by layer the step is ~25 small tensor ops per layer, 750 a step on 30 layers,
+which cost more than the K/V they move. tests/policies/test_softfreeze_schedule.py holds the two
+to the same freezes, thaws, timers, counts and K/V, step by step.
+
+The state of all layers is stacked with a leading layer axis; after the last layer
+`schedule_all` runs the step for every layer: one comparison over a (layers, slots) tensor
+decides every freeze, one gather and one scatter move the frozen rows, one more pair closes the
+holes, one more brings the due tokens back. A timer is stored as thaw_at = t + d (the step at
+whose end the token comes back), the same schedule without touching every timer every step.
 
 Layout (L layers, N = max_len, cap slots per layer, grown by doubling for all layers together):
-    kv        (L, cap, 2, Hkv, D)  device: keys (kv[l, :, 0]) and values (kv[l, :, 1]) of layer l's
-                                   *active* tokens in slots [0, n_act[l]), any order (attention
-                                   is order-free). Token-major: a token's K and V are one
-                                   contiguous row, so every move is a row gather.
-    slots     (2, L, cap) int64    device: slot_tok = slots[0] (the token held by each active slot)
-                                   and slot_count = slots[1] (its c_j), moved together as one
-    kv_host   (L, N, 2, Hkv, D)    host: frozen tokens, addressed by token index
-    on_host   (L, N) bool          device: kv_host holds the token's K/V already. A token's K/V
-                                   never changes, so the copy made at its first freeze is still
-                                   exact when it freezes again: a refreeze (every other step for
-                                   a token in d = 1 cycles) moves nothing to the host
-    count, thaw_at, frozen_at (L, N)  device: per-token state of frozen tokens
-    seen      (L, N, W)            device, with a history window W only: the steps of each
-                                   token's last W detections (a ring indexed by its count)
-Flat row indices address a layer's row in the stacked buffers: l * cap + slot on the device,
-l * N + token on the host (kv.view(L * cap, ...), kv_host.view(L * N, ...)).
-
-Decision (DESIGN.md): a token frozen at step t with duration d is absent from the attentions of
-steps t+1 .. t+d and restored at the end of step t+d (thaw_at = t+d): Algorithm 1 read literally
-decrements the new timer at once, so a d = 1 freeze would do nothing.
+    kv        (L, cap, 2, Hkv, D)  device: K and V of layer l's active tokens in slots
+                                   [0, n_act[l]), any order; a token's K and V are one row
+    slots     (2, L, cap) int64    device: slot_tok (the token of each slot), slot_count (its c_j)
+    kv_host   (L, N, 2, Hkv, D)    host: frozen tokens, by token index
+    on_host   (L, N) bool          the host holds the token's K/V already (K/V never change, so
+                                   a refreeze moves nothing)
+    count, thaw_at, frozen_at (L, N); seen (L, N, W) with a history window W only
+Freezing swap-removes slots (the last active slots fill the holes); restoring appends.
 """
 from __future__ import annotations
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from .. import hugepages
+from ... import hugepages
 
 NOT_FROZEN = torch.iinfo(torch.int64).max  # thaw_at of a token that is not frozen
 
@@ -137,43 +125,7 @@ class FreezeTiers:
         self.n_tok[l] += 1
         return a + 1
 
-    # -- Algorithm 1 for one layer: the reference --------------------------------------------
-    def schedule_layer(self, l: int, s: torch.Tensor, now: int) -> None:
-        """Lines 3-15 of Algorithm 1 in layer l at step `now`, given s (n_act[l],) over its
-        active slots."""
-        p, n = self.p, self.n_act[l]
-        if p.relevance_log is not None:
-            p.relevance_log.append(s.detach().float().cpu())
-        tau = p.tau * s.mean() if p.score == "relative" else p.tau  # relative: s_j / mean(s) < tau
-        # line 3: outside the sliding window of the last K tokens, below tau
-        low = (s < tau) & (self.slot_tok[l, :n] < self.n_tok[l] - p.window)  # (n,)
-        if p.history is None:
-            c = self.slot_count[l, :n]
-            c += low  # line 4, all slots at once
-            # line 6: d_j > 0 exactly when c_j >= c_min (= ceil(k^2)), so d is only computed for those
-            slots = (low & (c >= p.c_min)).nonzero()[:, 0]  # (f,)
-            c = c[slots]
-        else:
-            slots = low.nonzero()[:, 0]
-            c = self._detect(torch.full_like(slots, l), self.slot_tok[l, slots], now)  # line 4 within W steps
-            slots, c = slots[c >= p.c_min], c[c >= p.c_min]
-        if len(slots):
-            tok = self.slot_tok[l, slots]  # (f,)
-            d = p.duration[c]  # line 5, Eq. 3 (tabulated)
-            # a token frozen now thaws at the end of step now + d: lines 10-15 skip it this step
-            self.thaw_at[l, tok] = now + d
-            self.frozen_at[l, tok] = now
-            if p.history is None:
-                self.count[l, tok] = c  # (with W, count is the ring pointer)
-            self.next_thaw = min(self.next_thaw, now + int(d.min()))
-            self.freezes[l] += len(tok)
-            self.freeze(l, slots, tok)  # line 7
-        if now >= self.next_thaw:
-            # lines 10-14: the frozen tokens whose timer has run out at step now
-            due = (self.thaw_at[l, : self.n_tok[l]] <= now).nonzero()[:, 0]  # (r,) token indices
-            self.thaws[l] += len(due)
-            self.restore(l, due)  # line 13
-
+    # -- Algorithm 1, lines 3-15, for all layers at once ------------------------------------------
     def _detect(self, layer: torch.Tensor, tok: torch.Tensor, now: int) -> torch.Tensor:
         """With a history window W: record a detection of tokens `tok` of layers `layer` (both
         (m,)) at step `now` and return their c_j, the detections within the last W steps."""
@@ -182,7 +134,7 @@ class FreezeTiers:
         self.count[layer, tok] += 1  # (layer, token) pairs are unique, so += through an index is exact
         return (self.seen[layer, tok] > now - W).sum(dim=1)
 
-    # -- moving one layer's K/V between the tiers (the reference; recovery uses them too) ------
+    # -- moving one layer's K/V between the tiers (the recovery ladder) ---------------------------
     def remove_slots(self, l: int, slots: torch.Tensor) -> None:
         """Drop layer l's active slots `slots`, closing the holes with its last active slots."""
         n, m = self.n_act[l], self.n_act[l] - len(slots)
@@ -194,16 +146,6 @@ class FreezeTiers:
         kv.index_copy_(0, holes, kv.index_select(0, fill))
         self.slots[:, l, holes] = self.slots[:, l, fill]
         self.n_act[l] = m
-
-    def freeze(self, l: int, slots: torch.Tensor, tok: torch.Tensor) -> None:
-        """Move layer l's active slots `slots` (holding tokens `tok`) to the host tier."""
-        new = ~self.on_host[l, tok]  # (f,) tokens the host does not hold yet
-        slots_new, tok_new = slots[new], tok[new]
-        rows = self.p.tiers.to_host(self.kv[l].flatten(1).index_select(0, slots_new), fresh=True)  # (f', 2 Hkv D)
-        self.kv_host[l].flatten(1).index_copy_(0, tok_new.cpu(), rows)
-        self.on_host[l, tok_new] = True
-        self.remove_slots(l, slots)
-        self.n_frozen[l] += len(tok)
 
     def restore(self, l: int, tok: torch.Tensor) -> int:
         """Bring layer l's frozen tokens `tok` back from the host tier, after its active slots."""
@@ -222,21 +164,18 @@ class FreezeTiers:
         self.next_thaw = int(self.thaw_at[:, : max(self.n_tok)].min()) if any(self.n_frozen) else NOT_FROZEN
         return r
 
-    # -- Algorithm 1 for all layers at once ----------------------------------------------------
     def schedule_all(self, scores: list[torch.Tensor], now: int) -> None:
-        """schedule_layer(l, scores[l], now) for every layer l, as one step over stacked tensors.
+        """Algorithm1Layer.step(scores[l], now) for every layer l, as one step over stacked tensors.
         scores[l] (n_act[l],): layer l's s_j over its active slots."""
         p, L = self.p, self.L
         dev = self.kv.device
-        if p.relevance_log is not None:
-            p.relevance_log.extend(s.detach().float().cpu() for s in scores)
         n = torch.tensor(self.n_act, device=dev)  # (L,)
         S = pad_sequence(scores, batch_first=True)  # (L, A): A = the most active slots of a layer
         A = S.shape[1]
         slot = torch.arange(A, device=dev)
         active = slot < n[:, None]  # (L, A): the padding is no slot
         if p.score == "relative":
-            # each layer's mean on its own row, as schedule_layer takes it: a padded row's sum
+            # each layer's mean over its own scores, as the reference takes it: a padded row's sum
             # could round differently, and a threshold one ulp off could flip a token
             means = torch.empty(L, dtype=S.dtype, device=dev)  # each written in place: no stack of 30
             for l, s in enumerate(scores):
