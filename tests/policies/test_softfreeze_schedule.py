@@ -1,96 +1,93 @@
-"""softfreeze's batched schedule (FreezeTiers.schedule_all: Algorithm 1 for all layers at once)
-against its per-layer reference (schedule_layer, one layer after the other), step by step on random
-relevance scores: after every step both hold the same tokens in the same slots, the same K/V bit
-for bit on both tiers, and the same counts, timers and counters."""
+"""softfreeze's fast form (schedule_fast.FreezeTiers.schedule_all: Algorithm 1 for all layers at
+once, the default backend) against the library's reference (schedule.Algorithm1Layer, one layer
+after the other, backend=reference), step by step on random relevance scores, through random
+growths of the fast buffers and random rungs of the recovery ladder: after every step both have
+frozen and kept the same tokens, with the same timers d_j, counts c_j, freeze steps and move
+counters, and hold every token's K/V bit for bit on the tier where it belongs."""
 from dataclasses import replace
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minikv.policies import make
-from minikv.policies.softfreeze_schedule import NOT_FROZEN
-
-from .test_softfreeze import TINY
+from .test_softfreeze import TINY, Driver, script_relevance
 
 
-def twin_tiers(spec: str, n_layers: int, max_len: int):
+def twins(spec: str, n_layers: int, max_len: int, seed: int) -> tuple[Driver, Driver]:
+    """The fast form and the reference, fed the same q, k, v (one seed)."""
     cfg = replace(TINY, n_layers=n_layers)
-    bind = lambda: make(spec).bind(cfg, device="cpu", dtype=torch.float32, max_len=max_len).state  # noqa: E731
-    return bind(), bind()
+    return tuple(Driver(f"{spec},backend={b}", max_len, seed, cfg=cfg) for b in ("eager", "reference"))
 
 
-def assert_same(a, b, where: str) -> None:
-    for name in ("n_act", "n_tok", "n_frozen", "freezes", "thaws"):
-        assert getattr(a, name) == getattr(b, name), f"{where}: {name}"
-    for l in range(a.L):
-        n, T = a.n_act[l], a.n_tok[l]
-        assert torch.equal(a.slots[:, l, :n], b.slots[:, l, :n]), f"{where}, layer {l}: slot tokens or counts"
-        assert torch.equal(a.kv[l, :n], b.kv[l, :n]), f"{where}, layer {l}: active K/V"
-        for name in ("count", "thaw_at", "frozen_at", "on_host") + (("seen",) if a.seen is not None else ()):
-            assert torch.equal(getattr(a, name)[l, :T], getattr(b, name)[l, :T]), f"{where}, layer {l}: {name}"
-        frozen = (a.thaw_at[l, :T] != NOT_FROZEN).nonzero()[:, 0]
-        assert torch.equal(a.kv_host[l, frozen], b.kv_host[l, frozen]), f"{where}, layer {l}: frozen K/V"
+def assert_same(fast, ref, where: str) -> None:
+    now = fast.policy.steps - 1
+    for l, (a, b) in enumerate(zip(fast.policy.layers, ref.policy.layers)):
+        at = f"{where}, layer {l}"
+        assert a.n_tok == b.n_tok, at
+        assert sorted(a.active_tokens().tolist()) == b.active_tokens().tolist(), f"{at}: active tokens"
+        assert torch.equal(a.frozen_tokens(), b.frozen_tokens()), f"{at}: frozen tokens"
+        assert torch.equal(a.timers(now), b.timers(now)), f"{at}: timers d_j"
+        assert torch.equal(a.counts(), b.counts()), f"{at}: counts c_j"
+        assert torch.equal(a.frozen_at[: a.n_tok], b.frozen_at[: b.n_tok]), f"{at}: freeze steps"
+        assert (a.freezes, a.thaws, a.n_frozen) == (b.freezes, b.thaws, b.n_frozen), f"{at}: counters"
+    fast.check_invariants()  # K/V bit for bit against what was fed, on the right tier
+    ref.check_invariants()
 
 
 def run_twins(spec, n_layers, n_prompt, steps, seed, ops=(), discrete=False):
-    """Drive a (batched) and b (per layer) with the same tokens and scores; compare every step.
-    ops[t] in {"", "grow", "unfreeze"}: after step t, grow a's buffers only (the batched step
-    must not depend on the capacity), or unfreeze the same random tokens in both (a rung)."""
-    a, b = twin_tiers(spec, n_layers, n_prompt + steps)
+    """ops[t] after step t: "" nothing, "grow" (the fast buffers only: the fast step must not
+    depend on its capacity), "unfreeze" (the same random tokens in both), or a rung."""
+    fast, ref = twins(spec, n_layers, n_prompt + steps + 1, seed)
     g = torch.Generator().manual_seed(seed)
-    Hkv, D = a.Hkv, a.D
-    for l in range(n_layers):
-        k, v = torch.randn(Hkv, n_prompt, D, generator=g), torch.randn(Hkv, n_prompt, D, generator=g)
-        a.fill(l, k, v)
-        b.fill(l, k, v)
+    # scores on a grid of 2^-9 (or of 1/2 to make ties with tau common): every sum of them is
+    # exact in float32, so a layer's mean, and the relative threshold, do not depend on the order
+    # of the tokens (slot order in the fast form, token order in the reference)
+    grid = 2 if discrete else 2 ** 9
+    table = torch.randint(0, 2 * grid, (steps + 1, n_prompt + steps + 1), generator=g).float() / grid
+    script_relevance(table, fast.policy)
+    script_relevance(table, ref.policy)
     for t in range(steps):
-        if t:
-            for l in range(n_layers):
-                k, v = torch.randn(1, Hkv, 1, D, generator=g), torch.randn(1, Hkv, 1, D, generator=g)  # as decode gets them
-                a.append(l, k, v)
-                b.append(l, k, v)
-        # scores from a few values make ties with tau (and with the relative threshold) common
-        scores = [torch.randint(0, 4, (n,), generator=g).float() / 2 if discrete else torch.rand(n, generator=g) * 2
-                  for n in a.n_act]
-        a.schedule_all(scores, t)
-        for l, s in enumerate(scores):
-            b.schedule_layer(l, s, t)
-        assert_same(a, b, f"step {t}")
+        fast.step(n_prompt if t == 0 else 1)
+        ref.step(n_prompt if t == 0 else 1)
+        assert_same(fast, ref, f"step {t}")
         op = ops[t] if t < len(ops) else ""
         if op == "grow":
-            a.reserve(a.cap + 1)
+            fast.policy.state.reserve(fast.policy.state.cap + 1)
         elif op == "unfreeze":
-            for l in range(n_layers):
-                frozen = (a.thaw_at[l, : a.n_tok[l]] != NOT_FROZEN).nonzero()[:, 0]
-                pick = frozen[torch.rand(len(frozen), generator=g) < 0.5]
-                a.restore(l, pick)
-                b.restore(l, pick)
-        assert_same(a, b, f"after step {t} and {op!r}")
-    return a
+            for a, b in zip(fast.policy.layers, ref.policy.layers):
+                pick = torch.rand(a.n_tok, generator=g) < 0.5
+                assert a.unfreeze_where(pick) == b.unfreeze_where(pick)
+        elif op in ("soft_reset", "window_reset", "full_reset"):
+            assert getattr(fast.policy, op)() == getattr(ref.policy, op)()
+        assert_same(fast, ref, f"after step {t} and {op!r}")
+    return fast
 
 
 @settings(max_examples=30, deadline=None)
 @given(n_layers=st.integers(1, 4), n_prompt=st.integers(1, 40), steps=st.integers(1, 40),
        window=st.integers(0, 6), tau=st.sampled_from([0.3, 0.5, 1.0, 1.5]), softness=st.sampled_from([0.5, 1.0, 2.0]),
        history=st.none() | st.integers(1, 8), score=st.sampled_from(["raw", "relative"]), discrete=st.booleans(),
-       ops=st.lists(st.sampled_from(["", "", "", "grow", "unfreeze"]), max_size=40), seed=st.integers(0, 2**16))
-def test_batched_schedule_equals_the_per_layer_schedule(n_layers, n_prompt, steps, window, tau, softness, history,
-                                                         score, discrete, ops, seed):
+       ops=st.lists(st.sampled_from(["", "", "", "grow", "unfreeze", "soft_reset", "window_reset", "full_reset"]),
+                    max_size=40),
+       seed=st.integers(0, 2**16))
+def test_fast_schedule_equals_the_reference_algorithm_1(n_layers, n_prompt, steps, window, tau, softness, history,
+                                                       score, discrete, ops, seed):
     spec = f"softfreeze:window={window},tau={tau},softness={softness},history={history},score={score},egr=false"
     run_twins(spec, n_layers, n_prompt, steps, seed, ops, discrete)
 
 
-def test_batched_schedule_over_a_long_run_with_every_kind_of_move():
+def test_fast_schedule_over_a_long_run_with_every_kind_of_move():
     # softness 1: d grows past 1 within the run; relative tau 1: about half the slots are low
     for history in (None, 6):
         spec = f"softfreeze:window=4,tau=1.0,softness=1,history={history},egr=false"
-        a = run_twins(spec, n_layers=3, n_prompt=50, steps=120, seed=7, ops=["", "", "", "", "grow", "unfreeze"] * 20)
-        assert min(a.freezes) > 100 and min(a.thaws) > 100 and min(a.n_frozen) > 0
-        assert len(set(a.n_act)) > 1, "the layers should differ in their active tokens"
+        fast = run_twins(spec, n_layers=3, n_prompt=50, steps=120, seed=7,
+                         ops=["", "", "", "", "grow", "unfreeze"] * 20)
+        state = fast.policy.state
+        assert min(state.freezes) > 100 and min(state.thaws) > 100 and min(state.n_frozen) > 0
+        assert len(set(state.n_act)) > 1, "the layers should differ in their active tokens"
         # a token's K/V goes to the host once: its refreezes (most freezes here) copy nothing
-        assert a.p.tiers.bytes_to_host == int(a.on_host.sum()) * a.p.token_bytes() > 0
-        assert sum(a.freezes) > 2 * int(a.on_host.sum())
+        assert fast.policy.tiers.bytes_to_host == int(state.on_host.sum()) * fast.policy.token_bytes() > 0
+        assert sum(state.freezes) > 2 * int(state.on_host.sum())
 
 
 def test_appended_slots_read_as_written():
@@ -98,7 +95,11 @@ def test_appended_slots_read_as_written():
     reads the slots: read after every append, or only once after many appends across growths
     of the buffers (a growth copies the slots, so it writes what is pending first), they are
     the same."""
-    eager, lazy = twin_tiers("softfreeze", n_layers=3, max_len=300)
+    from minikv.policies import make
+
+    bind = lambda: make("softfreeze").bind(replace(TINY, n_layers=3), device="cpu", dtype=torch.float32,  # noqa: E731
+                                           max_len=300).state
+    eager, lazy = bind(), bind()
     g = torch.Generator().manual_seed(0)
     for l in range(3):
         k, v = torch.randn(eager.Hkv, 5, eager.D, generator=g), torch.randn(eager.Hkv, 5, eager.D, generator=g)
