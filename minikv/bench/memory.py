@@ -14,9 +14,8 @@ full: below 1 is faster). The PNG plots the mean
 active KV per step (with the band between the least and the most active layer) and the full KV
 line. Runs alternate policies `--repeats` times; times are medians.
 
-Policies that keep a per-step trajectory (softfreeze) give it themselves; for the others it is
-sampled through policy.stats() after each token (which costs time: compare times of the former).
-The end value of softfreeze's compression swings with its freeze cycles (with d = 1 many tokens
+The trajectory is read after every step by a probe on policy.end_step (bench/probes.py), the
+same for every policy. The end value of softfreeze's compression swings with its freeze cycles (with d = 1 many tokens
 freeze and thaw on the same steps): read it beside the mean over the steps. --relevance-stats also prints
 the distribution of softfreeze's raw relevance s_j (Eq. 2), to judge its threshold tau.
 """
@@ -24,12 +23,14 @@ from __future__ import annotations
 
 import json
 import statistics
+from contextlib import nullcontext
 
 import torch
 
 from ..generate import generate
 from ..loading import load
 from ..policies import make
+from .probes import watched
 
 PROMPT = "Write a long essay about the history of the printing press and its influence on science and society."
 
@@ -52,31 +53,32 @@ def add_arguments(p) -> None:
 
 def run_one(model, tok, spec, args, relevance_log=None) -> dict:
     policy = make(spec)
-    if relevance_log is not None and hasattr(policy, "relevance_log"):
-        policy.relevance_log = relevance_log  # softfreeze appends each step's raw s_j to it
-    samples = []  # (tokens in the cache, active tokens per layer) for policies without a trajectory
-    # full KV holds every token: its trajectory is known, and sampling would slow its timing
-    sampled = not hasattr(policy, "trajectory") and policy.name != "full"
+    trajectory = []  # (tokens in the cache, active tokens per layer) after each step
 
-    def on_token(row, token_id):
-        if token_id >= 0:  # after each forward: tokens fed = prompt + steps - 1
-            st = policy.stats()
-            samples.append((prompt_len + policy.steps - 1, [round(x) for x in st["device_tokens_per_layer"]]))
+    def after_step(action, *args, **kwargs):
+        layers = policy.layers
+        tokens = getattr(layers[0], "n_tok", None)  # softfreeze's rewalk takes tokens back
+        tokens = prompt_len + policy.steps - 1 if tokens is None else tokens
+        trajectory.append((tokens, [layer.device_tokens() for layer in layers]))
+
+    def judged(result, scores, now):  # softfreeze's raw s_j (Eq. 2) of every layer, each step
+        relevance_log.extend(s.detach().float().cpu() for s in scores)
 
     chat = not args.no_chat
     prompt_len = len(tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True),
                                 add_bos=False) if chat else tok.encode(args.prompt))
-    result = generate(model, tok, args.prompt, policy=policy, max_new_tokens=args.new_tokens, chat=chat,
-                      stop_at_eos=False, on_token=on_token if sampled else None)
+    # full KV holds every token: its trajectory is known, and a probe would slow its timing
+    with watched(policy, "end_step", after_step) if policy.name != "full" else nullcontext(), \
+            watched(policy, "freeze_and_thaw", judged) if relevance_log is not None else nullcontext():
+        result = generate(model, tok, args.prompt, policy=policy, max_new_tokens=args.new_tokens, chat=chat,
+                          stop_at_eos=False)
     s = result.stats
     total = s["prompt_tokens"] + s["new_tokens"] - 1  # the last sampled token is never fed
     if policy.name == "full":
         totals = list(range(s["prompt_tokens"], total + 1))
         active = [[t] * len(policy.layers) for t in totals]
-    elif sampled:
-        totals, active = [t for t, _ in samples], [a for _, a in samples]
     else:
-        totals, active = [t for t, _ in policy.trajectory], [a for _, a in policy.trajectory]
+        totals, active = [t for t, _ in trajectory], [a for _, a in trajectory]
     means = [sum(a) / len(a) for a in active]
     return dict(policy=spec, total_tokens=total, active_kv=s["device_tokens"], compression=1 - s["device_tokens"] / total,
                 mean_compression=1 - sum(means) / sum(totals), tpot_s=s["tpot_s"], total_s=s["total_s"],

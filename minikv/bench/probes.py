@@ -1,4 +1,4 @@
-"""Timers the benchmarks install from outside: no policy carries a clock.
+"""Timers and probes the benchmarks install from outside: no policy carries a clock or a log.
 
 A benchmark that wants to know where a decode step goes wraps the methods of the objects it
 cares about (a bound policy's layers, its storage) for as long as it measures:
@@ -10,7 +10,12 @@ cares about (a bound policy's layers, its storage) for as long as it measures:
 
 The algorithms stay free of timing lines; a method that is not there on an object is skipped,
 so one call covers policies whose layers differ. On CUDA the clock is read after a
-synchronize, so a timed section includes the kernels it launched.
+synchronize, so a timed section includes the kernels it launched. A probe watches a method's
+calls the same way:
+
+    log = []
+    with watched(policy, "freeze_and_thaw", lambda result, scores, now: log.extend(scores)):
+        generate(...)  # softfreeze's s_j (Eq. 2) of every layer and step
 """
 from __future__ import annotations
 
@@ -57,3 +62,26 @@ def timed(objects: Iterable[object], names: Iterable[str], totals: dict[str, flo
     finally:
         for obj, name in patched:
             delattr(obj, name)
+
+
+@contextmanager
+def watched(obj: object, name: str, callback):
+    """Call callback(result, *args, **kwargs) after every call of `obj.<name>(*args, **kwargs)`
+    while the block runs; the original method comes back on exit. A method the object does not
+    have is left alone (the block runs unwatched)."""
+    method = getattr(obj, name, None)
+    if not callable(method):
+        yield
+        return
+
+    @functools.wraps(method)
+    def watched_method(*args, **kwargs):
+        result = method(*args, **kwargs)
+        callback(result, *args, **kwargs)
+        return result
+
+    setattr(obj, name, watched_method)
+    try:
+        yield
+    finally:
+        delattr(obj, name)

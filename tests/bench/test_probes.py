@@ -31,3 +31,17 @@ def test_timed_restores_after_an_error():
     except TypeError:
         pass
     assert "select" not in vars(layer) and totals["select"] > 0
+
+
+def test_watched_sees_every_call_with_its_result_and_restores_the_method():
+    from minikv.bench.probes import watched
+
+    layer, seen = Layer(), []
+    with watched(layer, "attend", lambda result, x: seen.append((x, result))):
+        assert layer.attend(3) == 6 and layer.attend(4) == 8  # results pass through
+    layer.attend(5)  # after the block: not seen
+    assert seen == [(3, 6), (4, 8)]
+    assert "attend" not in vars(layer)
+    with watched(layer, "missing", lambda *a: seen.append(a)):
+        pass  # a method the object lacks: nothing to watch
+    assert seen == [(3, 6), (4, 8)]
