@@ -12,8 +12,8 @@ The marking scheme (README.md, section Tests, says the same), for every page:
   `python -m minikv.bench --check ...`, which checks every flag (policy specs, sizes, device,
   model) and exits without loading the model.
 - A block right after `<!-- readme-test: skip: <reason> -->` is not run; the reason is required.
-- ```text blocks are output or layouts, never run. A text block right after a bash block is that
-  block's output: each of its lines must match a line of what the commands printed, numbers being
+- ```text blocks are output or layouts, never run. A text block right after a bash block, with
+  no heading between them, is that block's output: each of its lines must match a line of what the commands printed, numbers being
   free (speeds differ from run to run and machine to machine).
 - A results page of docs/ (every page but the guides in GUIDES) opens with the command that
   regenerates it: its first block is a bash block.
@@ -38,8 +38,9 @@ GUIDES = {"design.md", "hf.md"}  # docs pages that explain rather than report a 
 
 
 def readme_blocks(text: str) -> list[dict]:
-    """[{lang, code, mark, line}] for every fenced block; mark is the readme-test comment on the
-    last non-empty line before the fence, if any."""
+    """[{lang, code, mark, line, end, after_heading}] for every fenced block; mark is the readme-test
+    comment on the last non-empty line before the fence, if any; after_heading says whether a
+    heading comes between the previous block and this one."""
     lines, blocks, i = text.splitlines(), [], 0
     while i < len(lines):
         m = FENCE.match(lines[i])
@@ -52,8 +53,10 @@ def readme_blocks(text: str) -> list[dict]:
             i += 1
         prev = next((ln for ln in reversed(lines[:start]) if ln.strip()), "")
         mark = MARK.match(prev.strip())
+        since = lines[blocks[-1]["end"]:start] if blocks else []
         blocks.append({"lang": m.group(1), "code": "\n".join(lines[start + 1:i]), "line": start + 1,
-                       "mark": mark.group(1) if mark else None})
+                       "mark": mark.group(1) if mark else None, "end": i + 1,
+                       "after_heading": any(ln.startswith("#") for ln in since)})
         i += 1
     return blocks
 
@@ -148,7 +151,8 @@ def _bash_cases():
             if b["lang"] != "bash" or (b["mark"] or "").startswith("skip"):
                 continue
             following = blocks[j + 1] if j + 1 < len(blocks) else None
-            expected = following["code"] if following and following["lang"] == "text" and not following["mark"] else None
+            is_output = following and following["lang"] == "text" and not following["after_heading"]
+            expected = following["code"] if is_output else None
             cases.append(pytest.param(name, b, expected, id=f"{name}:line{b['line']}"))
     return cases
 
