@@ -1,6 +1,6 @@
 """GGUF -> a safetensors directory in a cache folder, converted once and reused.
 
-`import_gguf(path)` converts a llama-architecture GGUF (the bundled SmolLM2 is one) into a
+`import_gguf(path)` converts a llama- or qwen2-architecture GGUF (the bundled SmolLM2 is one) into a
 directory that `load_model` reads (config.json, model.safetensors, tokenizer files). GGUF needs
 three undoings: quantized blocks are dequantized by the `gguf` package; llama.cpp's converter
 permuted the rows of attn_q / attn_k so that RoPE pairs adjacent channels, which we undo to get
@@ -73,39 +73,49 @@ def _number(reader, path: Path, key: str, kind: type, default=REQUIRED):
     return kind(value)
 
 
+# GGUF architecture -> (Hugging Face model_type, architectures entry). llama.cpp's converter
+# permutes Q/K rows only for llama (its LlamaModel); qwen2's are stored as trained.
+GGUF_ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM")}
+
+
 def gguf_config(reader, path: Path = Path("GGUF file")) -> dict:
-    """A Hugging Face config.json for a llama-architecture GGUF, its values checked."""
+    """A Hugging Face config.json for a llama- or qwen2-architecture GGUF, its values checked."""
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path}: GGUF import supports the llama architecture, this file is {arch!r}")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"{path}: GGUF import supports the {' and '.join(GGUF_ARCHITECTURES)} architectures, "
+                         f"this file is {arch!r}")
+    model_type, class_name = GGUF_ARCHITECTURES[arch]
     if "tokenizer.ggml.tokens" not in reader.fields:
         raise ValueError(f"{path}: GGUF metadata lacks tokenizer.ggml.tokens (the token list)")
-    n_heads = _number(reader, path, "llama.attention.head_count", int)
-    n_kv_heads = _number(reader, path, "llama.attention.head_count_kv", int, n_heads)
+    n_heads = _number(reader, path, f"{arch}.attention.head_count", int)
+    n_kv_heads = _number(reader, path, f"{arch}.attention.head_count_kv", int, n_heads)
     if n_heads % n_kv_heads:
-        raise ValueError(f"{path}: GGUF llama.attention.head_count ({n_heads}) is not a multiple of "
-                         f"llama.attention.head_count_kv ({n_kv_heads})")
-    hidden = _number(reader, path, "llama.embedding_length", int)
+        raise ValueError(f"{path}: GGUF {arch}.attention.head_count ({n_heads}) is not a multiple of "
+                         f"{arch}.attention.head_count_kv ({n_kv_heads})")
+    hidden = _number(reader, path, f"{arch}.embedding_length", int)
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": _number(reader, path, "llama.vocab_size", int, vocab),
+    cfg = {
+        "architectures": [class_name],
+        "model_type": model_type,
+        "vocab_size": _number(reader, path, f"{arch}.vocab_size", int, vocab),
         "hidden_size": hidden,
-        "intermediate_size": _number(reader, path, "llama.feed_forward_length", int),
-        "num_hidden_layers": _number(reader, path, "llama.block_count", int),
+        "intermediate_size": _number(reader, path, f"{arch}.feed_forward_length", int),
+        "num_hidden_layers": _number(reader, path, f"{arch}.block_count", int),
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv_heads,
-        "head_dim": _number(reader, path, "llama.rope.dimension_count", int, max(hidden // n_heads, 1)),
-        "max_position_embeddings": _number(reader, path, "llama.context_length", int),
-        "rope_theta": _number(reader, path, "llama.rope.freq_base", float, 10000.0),
-        "rms_norm_eps": _number(reader, path, "llama.attention.layer_norm_rms_epsilon", float),
+        "head_dim": _number(reader, path, f"{arch}.rope.dimension_count", int, max(hidden // n_heads, 1)),
+        "max_position_embeddings": _number(reader, path, f"{arch}.context_length", int),
+        "rope_theta": _number(reader, path, f"{arch}.rope.freq_base", float, 10000.0),
+        "rms_norm_eps": _number(reader, path, f"{arch}.attention.layer_norm_rms_epsilon", float),
         "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
         "hidden_act": "silu",
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
+    if model_type == "qwen2":
+        cfg["use_sliding_window"] = False  # Qwen2.5 attends over the whole context
+    return cfg
 
 
 # -- tensors -----------------------------------------------------------------------------------
@@ -186,10 +196,11 @@ def gguf_tensors(reader, cfg: dict, progress: bool = True):
         w = torch.from_numpy(w).float()
         w = w.reshape(tuple(int(n) for n in reversed(t.shape)))  # GGUF lists dims fastest first
         name = hf_name(t.name)
-        if name.endswith("q_proj.weight"):
-            w = unpermute_rows(w, cfg["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
-            w = unpermute_rows(w, cfg["num_key_value_heads"])
+        if cfg["model_type"] == "llama":  # only llama's Q/K rows were permuted by the converter
+            if name.endswith("q_proj.weight"):
+                w = unpermute_rows(w, cfg["num_attention_heads"])
+            elif name.endswith("k_proj.weight"):
+                w = unpermute_rows(w, cfg["num_key_value_heads"])
         yield name, w.contiguous()
 
 

