@@ -41,9 +41,13 @@ GENERATE_ERRORS = [
     (["--prompt", "hi", "--policy", "nope"], "unknown policy 'nope'; available: "),
     (["--prompt", "hi", "--policy", "freekv:speculative=maybe"], "speculative is a boolean"),
     (["--prompt", "hi", "--policy", "streaming:window=abc"], "window must be an integer"),
-    (["--prompt", "hi", "--policy", "streaming:sink=-1"], "sink must be an integer >= 0"),
+    (["--prompt", "hi", "--policy", "streaming:sink=-1"], "sink must be an int >= 0"),
+    (["--prompt", "hi", "--policy", "softfreeze:softness=inf"], "softness must be a finite float"),
+    (["--prompt", "hi", "--policy", "softfreeze:tau=nan"], "tau must be a finite float"),
     (["--prompt", "hi", "--top-p", "2"], "top_p must be in (0, 1]"),
-    (["--prompt", "hi", "--temperature", "-1"], "temperature must be >= 0"),
+    (["--prompt", "hi", "--temperature", "-1"], "temperature must be a finite number >= 0"),
+    (["--prompt", "hi", "--temperature", "nan"], "temperature must be a finite number >= 0"),
+    (["--prompt", "hi", "--temperature", "inf"], "temperature must be a finite number >= 0"),
     (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--prompt", "hi", "--threads", "0"], "--threads must be >= 1"),
     (["--prompt", "hi", "--dtype", "float8"], "unknown dtype 'float8'"),
@@ -225,5 +229,21 @@ def test_generate_help_lists_policies_defaults_and_the_same_max_new_tokens_as_th
     assert f"(default: {api_default}, as minikv.generate)" in text
     assert "(default: smollm2)" in text and "(default: full;" in text
     for name in available():
-        assert re.search(rf"\b{name}\s+\S*backend=eager", text), name
+        assert re.search(rf"\b{name}: .*?backend=eager", text), name
     assert "speculative=true" in text  # booleans shown as the words the specs take
+
+
+def test_generate_help_lists_every_parameter_with_its_bounds_and_meaning(capsys):
+    """--help derives from the policies' declarations: every parameter, its bounds, its meaning,
+    and the cap by the context."""
+    from minikv.policies import available
+    from minikv.policies.base import _REGISTRY, parameters
+
+    with pytest.raises(SystemExit):
+        generate_main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for name in available():
+        for key in parameters(_REGISTRY[name]):
+            assert f" {key}=" in out, (name, key)
+    assert "softness=4.0 float in (0, 65536.0]: the paper's k in Eq. 3" in out
+    assert "budget larger than the context costs what full KV costs" in out

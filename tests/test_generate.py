@@ -119,3 +119,25 @@ def test_cli_streams_and_reports_json(smollm2):
     assert "Paris" in data["text"] and data["stats"]["new_tokens"] == len(data["token_ids"])
     bad = subprocess.run(cmd[:-2] + ["--prompt", "x", "--top-p", "2"], capture_output=True, text=True)
     assert bad.returncode != 0 and "top_p must be in (0, 1]" in bad.stderr
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -1.0])
+def test_temperature_must_be_finite_and_non_negative(temperature):
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        check_sampling(temperature, None, None)
+
+
+def test_token_ids_outside_the_vocabulary_are_a_clean_error(reference_dir):
+    """Ids through the API (generate with ids, or the model forward) are checked: an embedding
+    lookup out of range is an IndexError on a CPU and a device assert on CUDA."""
+    from minikv.loading import load_model
+
+    model = load_model(reference_dir / "models" / "llama_gqa3", device="cpu", dtype=torch.float32)
+    V = model.cfg.vocab_size
+    for ids in ([1, 2, V], [-1, 3]):
+        with pytest.raises(ValueError, match=f"outside the model's vocabulary of {V}"):
+            minikv.generate(model, None, ids, max_new_tokens=2)
+        with pytest.raises(ValueError, match=f"outside the model's vocabulary of {V}"):
+            model(torch.tensor([ids]))
+    with pytest.raises(ValueError, match="token ids must be integers"):
+        minikv.generate(model, None, [1, 2.5], max_new_tokens=2)

@@ -9,6 +9,8 @@ Also the command line: `python -m minikv.generate --model smollm2 --prompt "..."
 """
 from __future__ import annotations
 
+import math
+import operator
 import time
 from dataclasses import dataclass, field
 
@@ -43,8 +45,9 @@ class BatchResults(list):
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    # `not (x >= 0)` rather than `x < 0`: NaN fails every comparison and must be refused too
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
@@ -134,7 +137,7 @@ def decode_n_tokens(model, logits, lengths, policy, n, eos_ids, sampling, genera
                 on_token(0, -rewind)  # tells a streaming printer to take back `rewind` tokens
 
 
-def encode_prompt(tokenizer, prompt, chat: bool) -> list[int]:
+def encode_prompt(tokenizer, prompt, chat: bool, vocab_size: int) -> list[int]:
     if isinstance(prompt, str):
         if not prompt.strip():
             raise ValueError("the prompt is empty")
@@ -142,9 +145,15 @@ def encode_prompt(tokenizer, prompt, chat: bool) -> list[int]:
             text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
             return tokenizer.encode(text, add_bos=False)
         return tokenizer.encode(prompt)
-    ids = [int(t) for t in prompt]
+    try:
+        ids = [operator.index(t) for t in prompt]  # ints, numpy and 0-d tensor ints; not 1.5 or "7"
+    except TypeError:
+        raise ValueError(f"token ids must be integers, got {prompt!r:.80}") from None
     if not ids:
         raise ValueError("the prompt is empty")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:  # an embedding lookup would be an IndexError on a CPU and a device assert on CUDA
+        raise ValueError(f"token id {bad[0]} is outside the model's vocabulary of {vocab_size} (ids 0..{vocab_size - 1})")
     return ids
 
 
@@ -166,7 +175,7 @@ def generate(model, tokenizer, prompt, policy="full", max_new_tokens: int = DEFA
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     batched = isinstance(prompt, list) and len(prompt) > 0 and not isinstance(prompt[0], int)
     policy = make(policy) if isinstance(policy, str) else policy  # a bad spec fails before tokenizing
-    prompts = [encode_prompt(tokenizer, p, chat) for p in (prompt if batched else [prompt])]
+    prompts = [encode_prompt(tokenizer, p, chat, model.cfg.vocab_size) for p in (prompt if batched else [prompt])]
     context = model.cfg.max_position_embeddings
     longest = max(len(p) for p in prompts)
     if longest > context:

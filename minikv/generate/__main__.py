@@ -22,17 +22,18 @@ DEFAULT_THREADS = 1  # see --threads
 
 
 def policy_epilog() -> str:
-    """The policies and their parameters with defaults, for --help."""
-    from ..policies.base import _REGISTRY, parameters
+    """The policies, each parameter with its default, bounds and meaning (their declarations in
+    minikv/policies), for --help."""
+    from ..policies.base import _REGISTRY
+    from ..policies.params import describe
 
-    def show(value) -> str:
-        return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
-
-    lines = ["policies (--policy NAME:key=value,...; the defaults shown):"]
+    lines = ["policies (--policy NAME:key=value,...; each parameter with its default, bounds and meaning):"]
     for name in sorted(_REGISTRY):
-        params = [f"{k}={show(p.default)}" for k, p in parameters(_REGISTRY[name]).items()]
-        lines.append(f"  {name:<11} {','.join(params)}")
-    lines.append("booleans take true/false, on/off, yes/no or 1/0.")
+        cls = _REGISTRY[name]
+        lines.append(f"  {name}: {' '.join((cls.__doc__ or '').split())}")
+        lines += [f"    {line}" for line in describe(cls)]
+    lines.append("booleans take true/false, on/off, yes/no or 1/0. Sizes (budget, window, history, ...) are capped by")
+    lines.append("the context, prompt + new tokens: a budget larger than the context costs what full KV costs.")
     return "\n".join(lines)
 
 
@@ -50,7 +51,7 @@ def parse_args(argv=None):
                                                    "(default: %(default)s; the list is below)")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
                    help="most tokens to generate (default: %(default)s, as minikv.generate)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--temperature", type=float, default=0.0, help="a finite number >= 0; 0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
     p.add_argument("--seed", type=int, default=None, help="random seed: same seed, same text")

@@ -8,8 +8,10 @@ and never hold two copies of their logic:
     from minikv.kernels.rope_delta import rope_delta
     k = rope_delta(k, delta, inv_freq, backend="triton")
 
-backend="eager" runs the reference anywhere. backend="triton" runs the kernel: compiled on CUDA,
-and in Triton's *interpreter* when no CUDA device is present (TRITON_INTERPRET=1). The
+backend="eager" runs the reference anywhere; so does backend="reference", the policies' choice
+of their readable algorithms (at kernel level the readable form is reference.py either way, so
+`check_backend` answers "eager" for it). backend="triton" runs the kernel: compiled on CUDA, and in
+Triton's *interpreter* when no CUDA device is present (TRITON_INTERPRET=1). The
 interpreter executes each program instance with numpy on CPU tensors; it exists so that the
 kernels can be tested on any machine, and it is slow (seconds per call at test sizes), so the
 CPU path for real work is "eager".
@@ -32,9 +34,8 @@ BACKENDS = ("reference", "eager", "triton")
 
 
 def check_backend(backend: str) -> str:
-    """The kernel backend that `backend` runs, if it can run here, else raise a ValueError.
-    "reference" is a policy's readable algorithm (docs/design.md); its kernels are the eager
-    references, so it runs "eager" here.
+    """The kernel backend that runs `backend` here ("eager" for "reference", else `backend`), or
+    a ValueError if it names none or cannot run here.
 
     backend="triton" without CUDA runs in Triton's interpreter: allowed (with a warning, once,
     that it is slow) when the interpreter is in effect; refused at once when triton was imported

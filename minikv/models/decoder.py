@@ -12,6 +12,17 @@ from ..config import ModelConfig
 from .rope import RotaryEmbedding
 
 
+def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """A clean ValueError for ids outside the vocabulary: the embedding lookup would raise an
+    IndexError on a CPU and trip a device assert on CUDA, which poisons the process."""
+    if input_ids.numel() == 0:
+        return
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"token id {lo if lo < 0 else hi} is outside the model's vocabulary of {vocab_size} "
+                         f"(ids 0..{vocab_size - 1})")
+
+
 class DecoderLM(nn.Module):
     """Subclasses provide `embed`, `blocks`, `final_norm` and `lm_head` (as properties over
     their HF-named submodules)."""
@@ -54,6 +65,8 @@ class DecoderLM(nn.Module):
         decoding = policy is not None and policy.steps > 0
         if decoding and T != 1:
             raise ValueError(f"a decode step takes one token per sequence, got {T}")
+        if not decoding or input_ids.device.type == "cpu":  # on CUDA a decode step would wait for the check
+            check_token_ids(input_ids, self.cfg.vocab_size)
         # one cos/sin table for all layers, at the positions the policy chooses (streaming: cache
         # positions, so q and k are rotated once, where they will be read); padding (-1) is
         # never attended, any angle will do

@@ -23,16 +23,17 @@ accounting is real, but nothing is saved. `Tiers.to_host` / `to_device` count by
 """
 from __future__ import annotations
 
-import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from ..config import ModelConfig
-from ..kernels import check_backend
+from ..kernels import BACKENDS, check_backend
 from ..models.attention import dense_attention, expand_kv  # noqa: F401  (re-exported for policies)
 from ..models.rope import RotaryEmbedding
+from .params import check_fields, declarations, param, parse_value, value_type
 
 
 @dataclass
@@ -116,16 +117,22 @@ class LayerKV(ABC):
         return None
 
 
+@dataclass(eq=False, kw_only=True)
 class Policy(ABC):
-    """Base of all policies. Subclasses set `name`, take their parameters as keyword-only
-    arguments of __init__ (validated by `make`), and implement `make_layer`."""
+    """Base of all policies. A policy is a dataclass (as kvpress's presses are): its parameters
+    are fields declared with `param` (default, bounds, one-line meaning), from which `make`'s
+    parser, the checks below and `--help` all derive. A subclass sets `name`, declares its
+    fields, checks what its bounds cannot say (relations between parameters) in `__post_init__`
+    after `super().__post_init__()`, and implements `make_layer`."""
 
-    name: str = ""
-    max_batch: int | None = 1  # most policies follow one sequence; `full` takes any batch
+    name: ClassVar[str] = ""
+    max_batch: ClassVar[int | None] = 1  # most policies follow one sequence; `full` takes any batch
 
-    def __init__(self, *, backend: str = "eager"):
-        check_backend(backend)
-        self.backend = backend  # "reference": the policy's readable algorithm, if it has a faster one
+    backend: str = param("eager", choices=BACKENDS)
+
+    def __post_init__(self):
+        check_fields(self)
+        check_backend(self.backend)  # "reference" stays as given: policies read it for their own forms
         self.cfg: ModelConfig | None = None
         self.layers: list[LayerKV] = []
         self.steps = 0
@@ -247,68 +254,17 @@ def available() -> list[str]:
     return sorted(_REGISTRY)
 
 
-TRUE_WORDS, FALSE_WORDS = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
-
-
-def _value_type(param: inspect.Parameter) -> tuple[str | None, bool]:
-    """(the parameter's base type name: 'bool', 'int', 'float', 'str' or None if unknown, whether
-    None is allowed), from its annotation (a string under `from __future__ import annotations`)
-    or else from its default."""
-    ann = param.annotation
-    text = ann if isinstance(ann, str) else getattr(ann, "__name__", "" if ann is param.empty else str(ann))
-    text = text.replace("Optional[", "").replace("]", "")
-    parts = {t.strip() for t in text.split("|") if t.strip()}
-    nullable = "None" in parts or param.default is None
-    parts.discard("None")
-    if parts == {"int", "float"}:
-        parts = {"float"}
-    if len(parts) == 1 and next(iter(parts)) in ("bool", "int", "float", "str"):
-        return next(iter(parts)), nullable
-    if param.default is not None and param.default is not param.empty:
-        return type(param.default).__name__, nullable
-    return None, nullable
-
-
-def _parse_value(text: str, kind: str | None = None, nullable: bool = False, where: str = "value"):
-    """A spec's value as the parameter's type. Booleans take only true/false, on/off, yes/no,
-    1/0; an int parameter given 1 gets 1. kind=None (type unknown): the first of bool word,
-    none, int, float that fits, else the string."""
-    low = text.strip().lower()
-    if low == "none" and (nullable or kind is None):
-        return None
-    if kind == "bool":
-        if low in TRUE_WORDS or low in FALSE_WORDS:
-            return low in TRUE_WORDS
-        raise ValueError(f"{where} is a boolean: use true/false, on/off, yes/no or 1/0, got {text!r}")
-    if kind in ("int", "float"):
-        try:
-            return int(text) if kind == "int" else float(text)
-        except ValueError:
-            article = "an integer" if kind == "int" else "a number"
-            raise ValueError(f"{where} must be {article}{' or none' if nullable else ''}, got {text!r}") from None
-    if kind == "str":
-        return text
-    if low in ("true", "false", "on", "off", "yes", "no"):
-        return low in TRUE_WORDS
-    for convert in (int, float):
-        try:
-            return convert(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parameters(cls: type[Policy]) -> dict[str, inspect.Parameter]:
-    sig = inspect.signature(cls.__init__)
-    return {n: p for n, p in sig.parameters.items() if p.kind == p.KEYWORD_ONLY}
+def parameters(cls: type[Policy]) -> dict:
+    """name -> dataclass field of each parameter of a policy class (params.declarations)."""
+    return declarations(cls)
 
 
 def make(spec: "str | Policy", **overrides) -> Policy:
     """Build a policy from a spec string "name:key=value,key=value" (or pass a Policy through).
 
     Unknown names or parameters raise ValueError listing what exists; each value is parsed as
-    its parameter's type (annotation or default), so `speculative=maybe` or `window=abc` fail
-    here, with no model, as does whatever the policy's __init__ refuses.
+    its parameter's type (its declaration, params.py), so `speculative=maybe` or `window=abc`
+    fail here, with no model, as does whatever the policy's checks refuse.
     """
     if isinstance(spec, Policy):
         return spec
@@ -328,8 +284,8 @@ def make(spec: "str | Policy", **overrides) -> Policy:
             raise ValueError(f"policy parameter {item!r} in {spec!r} is not of the form key=value")
         if key not in known:
             raise ValueError(f"policy {name!r} has no parameter {key!r}; parameters: {', '.join(known)}")
-        kind, nullable = _value_type(known[key])
-        kwargs[key] = _parse_value(value.strip(), kind, nullable, where=f"policy {name!r}: {key}")
+        kind, nullable = value_type(known[key])
+        kwargs[key] = parse_value(value.strip(), kind, nullable, where=f"policy {name!r}: {key}")
     for key in overrides:
         if key not in known:
             raise ValueError(f"policy {name!r} has no parameter {key!r}; parameters: {', '.join(known)}")

@@ -44,12 +44,13 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..kernels.page_scores import GROUP_REDUCES, page_scores
-from .base import LayerKV, Policy, dense_attention, register
+from .base import LayerKV, Policy, dense_attention, param, register
 from .full import FullLayer
 from .paged import DIGESTS, PagedKV, PagedLayer, Staging, check_page_geometry
 
@@ -168,34 +169,36 @@ class FreeKVLayer(PagedLayer):
 
 
 @register
+@dataclass(eq=False, kw_only=True)
 class FreeKV(Policy):
     """Speculative page retrieval with fine-grained correction over a paged, offloaded KV cache."""
 
     name = "freekv"
     max_batch = 1
 
-    def __init__(self, *, page_size: int = 32, budget: int = 256, sink: int = 32, window: int = 32,
-                 tau: float = 0.9, speculative: bool = True, group_reduce: str = "softmax_mean",
-                 digest: str = "arkvale", skip_layers: int = 0, backend: str = "eager"):
-        super().__init__(backend=backend)
-        check_page_geometry(page_size, budget, sink, window)
-        if budget < sink + window + 2 * page_size:  # + the partly filled last page + one selected
-            raise ValueError(f"budget must be >= sink + window + 2 * page_size = {sink + window + 2 * page_size} "
-                             f"(the partly filled last page and at least one selected page), got {budget}")
-        if not -1.0 <= tau <= 1.0:
-            raise ValueError(f"tau is a cosine-similarity threshold in [-1, 1], got {tau}")
-        if group_reduce not in GROUP_REDUCES:
-            raise ValueError(f"group_reduce must be one of {GROUP_REDUCES}, got {group_reduce!r}")
-        if digest not in DIGESTS:
-            raise ValueError(f"digest must be one of {DIGESTS}, got {digest!r}")
-        if not isinstance(skip_layers, int) or skip_layers < 0:
-            raise ValueError(f"skip_layers must be an int >= 0 (the first layers keep full KV), got {skip_layers!r}")
-        self.page_size, self.budget, self.sink, self.window = page_size, budget, sink, window
-        self.n_select = (budget - sink - window) // page_size - 1  # one page for the partial last one
-        self.tau, self.speculative, self.group_reduce = float(tau), bool(speculative), group_reduce
-        self.digest, self.skip_layers = digest, skip_layers
+    page_size: int = param(32, low=1)
+    budget: int = param(256, low=0, multiple_of="page_size")
+    sink: int = param(32, low=0, multiple_of="page_size")
+    window: int = param(32, low=0, multiple_of="page_size")
+    tau: float = param(0.9, "correction threshold on the cosine of consecutive queries", low=-1.0, high=1.0)
+    speculative: bool = param(True, "select with the previous step's query (speculative retrieval)")
+    group_reduce: str = param("softmax_mean", "how a GQA group's page scores become one", choices=GROUP_REDUCES)
+    digest: str = param("arkvale", "page summary: arkvale (ArkVale's box) or minmax (Quest)", choices=DIGESTS)
+    skip_layers: int = param(0, low=0)
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_page_geometry(self.page_size, self.budget, self.sink, self.window)
+        least = self.sink + self.window + 2 * self.page_size  # + the partly filled last page + one selected
+        if self.budget < least:
+            raise ValueError(f"budget must be >= sink + window + 2 * page_size = {least} "
+                             f"(the partly filled last page and at least one selected page), got {self.budget}")
+        self.n_select = (self.budget - self.sink - self.window) // self.page_size - 1  # one page for the partial last one
 
     def validate(self, cfg):
+        # never more selected pages than the context has: a budget past it costs what full KV costs
+        declared = (self.budget - self.sink - self.window) // self.page_size - 1
+        self.n_select = min(declared, math.ceil(self.max_len / self.page_size))
         if self.skip_layers > cfg.n_layers:
             raise ValueError(f"skip_layers must be <= the model's {cfg.n_layers} layers, got {self.skip_layers}")
         if cfg.sliding_window is not None and cfg.sliding_window < self.max_len:

@@ -8,6 +8,8 @@ ever be read.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .. import hugepages
@@ -74,14 +76,12 @@ class FullLayer(LayerKV):
 
 
 @register
+@dataclass(eq=False, kw_only=True)
 class Full(Policy):
     """Keep everything: the reference every other policy is measured against."""
 
     name = "full"
     max_batch = None
-
-    def __init__(self, *, backend: str = "eager"):
-        super().__init__(backend=backend)
 
     def make_layer(self, index: int) -> FullLayer:
         return FullLayer(self, index)

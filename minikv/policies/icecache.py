@@ -42,11 +42,12 @@ Decisions where the paper is silent (the authors' code where it speaks, DESIGN.m
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
-from .base import LayerKV, Policy, dense_attention, register
-from .dci import CLOSEST, DCIForest, field_of_view, first_k_distinct, random_direction
+from .base import LayerKV, Policy, dense_attention, param, register
+from .dci import CLOSEST, FIRST_PROMOTION, DCIForest, field_of_view, first_k_distinct, random_direction
 from .full import FullLayer
 from .paged import PagedKV, PagedLayer, Staging, check_page_geometry
 
@@ -222,40 +223,42 @@ class IceCacheLayer(PagedLayer):
 
 
 @register
+@dataclass(eq=False, kw_only=True)
 class IceCache(Policy):
     """Semantic pages (DCI-tree leaves) on the host, the best few per KV head recalled each step."""
 
     name = "icecache"
     max_batch = 1
 
-    def __init__(self, *, page_size: int = 16, budget: int = 256, sink: int = 32, window: int = 32,
-                 skip_layers: int = 2, reuse_every: int = 1, fov: int | None = None, prop: float = 0.8,
-                 batch: int = CLOSEST, seed: int = 0, backend: str = "eager"):
-        super().__init__(backend=backend)
-        check_page_geometry(page_size, budget, sink, window)
-        if budget < sink + window + page_size:
-            raise ValueError(f"budget must be >= sink + window + page_size = {sink + window + page_size} "
-                             f"(at least one retrieved page), got {budget}")
-        if not isinstance(skip_layers, int) or skip_layers < 0:
-            raise ValueError(f"skip_layers must be an int >= 0 (the first layers keep full KV), got {skip_layers!r}")
-        if not isinstance(reuse_every, int) or reuse_every < 1:
-            raise ValueError(f"reuse_every must be an int >= 1 (1: every layer searches), got {reuse_every!r}")
-        if fov is not None and (not isinstance(fov, int) or fov < 1):
-            raise ValueError(f"fov must be a positive int, or none for max(30, 0.0015 n), got {fov!r}")
-        if not isinstance(prop, (int, float)) or not 0 < prop <= 1:
-            raise ValueError(f"prop (share of a node's children scored) must be in (0, 1], got {prop!r}")
-        if not isinstance(batch, int) or batch < 1:
-            raise ValueError(f"batch (projections a node's scan scores per step) must be an int >= 1, got {batch!r}")
-        self.page_size, self.budget, self.sink, self.window = page_size, budget, sink, window
-        self.n_select = (budget - sink - window) // page_size
-        self.skip_layers, self.reuse_every, self.fov, self.prop = skip_layers, reuse_every, fov, float(prop)
-        self.batch = batch
-        self.seed = seed
+    page_size: int = param(16, low=1)
+    budget: int = param(256, low=0, multiple_of="page_size")
+    sink: int = param(32, low=0, multiple_of="page_size")
+    window: int = param(32, low=0, multiple_of="page_size")
+    skip_layers: int = param(2, low=0)
+    reuse_every: int = param(1, "IceCache(reuse): a layer searches, the next reuse_every - 1 reuse its pages", low=1)
+    fov: int | None = param(None, "field of view: nodes kept per level (none: max(30, 0.0015 n); capped by the context)",
+                            low=1)
+    prop: float = param(0.8, "share of a node's children scored before the search stops", above=0.0, high=1.0)
+    batch: int = param(CLOSEST, "projections a node's scan scores per step", low=1)
+    seed: int = param(0, "seed of the random projection direction")
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_page_geometry(self.page_size, self.budget, self.sink, self.window)
+        least = self.sink + self.window + self.page_size
+        if self.budget < least:
+            raise ValueError(f"budget must be >= sink + window + page_size = {least} "
+                             f"(at least one retrieved page), got {self.budget}")
+        self.n_select = (self.budget - self.sink - self.window) // self.page_size
         # the tree and its keys live on the host tier; Triton reaches host memory only when there
         # is no GPU (interpreter), so with CUDA the host-side operations run eager
-        self.host_backend = backend
+        self.host_backend = self.backend
 
     def validate(self, cfg):
+        # never more retrieved pages than a tree over the context has (DCIForest.max_pages: the
+        # full pages, plus one open page per parent): a budget past it costs what full KV costs
+        most_pages = self.max_len // self.page_size + self.max_len // FIRST_PROMOTION + 2
+        self.n_select = min((self.budget - self.sink - self.window) // self.page_size, most_pages)
         if self.skip_layers > cfg.n_layers:
             raise ValueError(f"skip_layers must be <= the model's {cfg.n_layers} layers, got {self.skip_layers}")
         if cfg.sliding_window is not None and cfg.sliding_window < self.max_len:

@@ -41,6 +41,7 @@ of prunes (R = 1) is noticeable. Lazy pruning divides the number of rotations by
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -48,7 +49,7 @@ import torch
 from .. import hugepages
 from ..kernels.decode_attention import decode_attention
 from ..kernels.rope_delta import rope_delta
-from .base import LayerKV, Policy, dense_attention, register
+from .base import LayerKV, Policy, dense_attention, param, register
 
 PREFILL_CHUNK = 256  # queries per block of the streaming prefill: bounds its score matrix
 
@@ -225,21 +226,25 @@ class StreamingLayer(LayerKV):
 
 
 @register
+@dataclass(eq=False, kw_only=True)
 class Streaming(Policy):
     """Start+Recent (StreamingLLM) with Lazy Pruning (R), Slack and Max_Drop: Algorithm 1."""
 
     name = "streaming"
     max_batch = 1  # one sequence: every row would need its own prune schedule and cache positions
 
-    def __init__(self, *, sink: int = 4, window: int | None = None, R: int = 32, slack: int = 16,
-                 max_drop: int = 32, budget: int | None = None, backend: str = "eager"):
-        super().__init__(backend=backend)
-        for pname, value in (("sink", sink), ("R", R), ("slack", slack), ("max_drop", max_drop)):
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"streaming: {pname} must be an integer >= 0, got {value!r}")
+    sink: int = param(4, low=0)
+    window: int | None = param(None, "most recent tokens kept, the paper's W (none: 2044, or budget - sink - R)",
+                               low=0)
+    R: int = param(32, "lazy pruning: prune once the overflow reaches R tokens (0: never prune)", low=0)
+    slack: int = param(16, "tokens a staged prune may keep past sink + window (Eq. 7)", low=0)
+    max_drop: int = param(32, "most tokens one prune drops (Eq. 8; 0: drop down to sink + window)", low=0)
+    budget: int | None = param(None, "sink + window + R: most tokens attention reads (sets window)", low=1)
+
+    def __post_init__(self):
+        super().__post_init__()
+        sink, window, R, budget = self.sink, self.window, self.R, self.budget
         if budget is not None:
-            if not isinstance(budget, int) or budget < 1:
-                raise ValueError(f"streaming: budget must be an integer >= 1, got {budget!r}")
             if R == 0:
                 raise ValueError("streaming: budget needs R >= 1 (R = 0 never prunes, nothing bounds the cache)")
             derived = budget - sink - R  # attention reads at most sink + window + R tokens
@@ -250,20 +255,15 @@ class Streaming(Policy):
                                  f"(budget = sink + window + R, so window would be {derived}); give one of them")
             window = derived
         window = 2044 if window is None else window  # the paper's worked example: C = 2048
-        if not isinstance(window, int) or window < 0:
-            raise ValueError(f"streaming: window must be an integer >= 0, got {window!r}")
         if sink + window < 1:
             raise ValueError("streaming: sink + window must be >= 1 (the cache would keep nothing)")
-        self.sink, self.window, self.R, self.slack, self.max_drop = sink, window, R, slack, max_drop
+        self.window = window
+        # most tokens attention reads per KV head: C + R, or None when R = 0 (no bound)
+        self.budget = self.soft_capacity + R if R else None
 
     @property
     def soft_capacity(self) -> int:
         return self.sink + self.window  # C, Eq. 1
-
-    @property
-    def budget(self) -> int | None:
-        """Most tokens attention reads per KV head: C + R, or None when R = 0 (no bound)."""
-        return self.soft_capacity + self.R if self.R else None
 
     def rope_positions(self, positions):
         # positions (B, T) absolute. The prompt is rotated at 0..T-1 (the prefill replays the

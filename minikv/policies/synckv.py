@@ -47,6 +47,7 @@ waits on its event; on the CPU it runs in order.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -54,7 +55,7 @@ from .. import hugepages
 from ..kernels.attention_topk import attention_topk
 from ..kernels.decode_attention import decode_attention
 from ..kernels.gathered_attention import gathered_attention
-from .base import LayerKV, Policy, dense_attention, register
+from .base import LayerKV, Policy, dense_attention, param, register
 from .synckv_bank import ContextBank
 from .synckv_clusters import find_clustering
 
@@ -78,7 +79,7 @@ class SyncKVLayer(LayerKV):
         self.offload = policy.offload and Hn > 0  # False: "w/o initialization", slot = token index
         # NR-heads' device slots (with offloading): [0, ks) static, [ks, ks + kd) dynamic, then a
         # ring of R = window + m - 1 slots holding the recent window, token t in slot ks + kd + t % R
-        self.bank = ContextBank(n_heads=Hn, max_len=n, slots=policy.budget, head_dim=D, dtype=policy.dtype,
+        self.bank = ContextBank(n_heads=Hn, max_len=n, slots=self.ks + self.kd + self.R, head_dim=D, dtype=policy.dtype,
                                 tiers=policy.tiers, offload=self.offload, stage_rows=Hn * self.kd)
         self.static = [[] for _ in self.clusters]  # per cluster: token indices, slot order
         self.dynamic = [[-1] * self.kd for _ in self.clusters]  # per cluster: token held by each dynamic slot
@@ -286,41 +287,43 @@ class SyncKVLayer(LayerKV):
 
 
 @register
+@dataclass(eq=False, kw_only=True)
 class SyncKV(Policy):
     """Representative heads anticipate every m steps; their clusters read only what they chose."""
 
     name = "synckv"
     max_batch = 1
 
-    def __init__(self, *, budget: int = 256, window: int = 32, rho: float = 0.5, m: int = 5, n_r: int = 1,
-                 clusters: str | None = None, offload: bool = True, anticipation: bool = True,
-                 backend: str = "eager"):
-        super().__init__(backend=backend)
-        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-            raise ValueError(f"window must be an int >= 1 (the new token is always read), got {window!r}")
-        for name, value in (("offload", offload), ("anticipation", anticipation)):
-            if value not in (True, False):
-                raise ValueError(f"{name} must be true/false/on/off/yes/no/1/0, got {value!r}")
-        if not isinstance(m, int) or isinstance(m, bool) or m < 1:
-            raise ValueError(f"m (the synchronization stride) must be an int >= 1, got {m!r}")
-        ring = window + m - 1 if anticipation else window  # the most tokens the window holds
-        if not isinstance(budget, int) or isinstance(budget, bool) or budget <= ring:
-            slots = "window + m - 1" if anticipation else "window"
-            raise ValueError(f"budget must be an int > the recent window's slots ({slots} = {ring}): static + dynamic "
-                             f"+ window, got {budget!r}")
-        if not isinstance(rho, (int, float)) or isinstance(rho, bool) or not 0.0 <= rho <= 1.0:
-            raise ValueError(f"rho (the static ratio) must be in [0, 1], got {rho!r}")
-        if not isinstance(n_r, int) or isinstance(n_r, bool) or n_r < 1:
-            raise ValueError(f"n_r (clusters per layer) must be an int >= 1, got {n_r!r}")
-        if clusters is not None and not isinstance(clusters, str):
-            raise ValueError(f"clusters must be a path to a clustering file, got {clusters!r}")
-        self.budget, self.window, self.ring, self.rho, self.m, self.n_r = budget, window, ring, float(rho), m, n_r
-        k = budget - ring
-        self.k_dyn = math.floor((1.0 - self.rho) * k + 1e-9)  # Eq. 6: k_dyn = floor((1 - rho) k)
-        self.k_static = k - self.k_dyn
-        self.clusters, self.offload, self.anticipation = clusters, bool(offload), bool(anticipation)
+    budget: int = param(256, "most tokens a non-representative KV head reads on the device: static + dynamic "
+                             "+ window; capped by the context", low=1)
+    window: int = param(32, "most recent tokens, read by every head at every step (the new token included)", low=1)
+    rho: float = param(0.5, "static ratio: the share of k = budget - window slots chosen once (Eq. 4)",
+                       low=0.0, high=1.0)
+    m: int = param(5, "synchronization stride: every m-th step anticipates", low=1)
+    n_r: int = param(1, "clusters (representative heads) per layer", low=1)
+    clusters: str | None = param(None, "clustering file (none: the one shipped for this model)")
+    offload: bool = param(True, "offload the other heads' KV to the host (false: w/o initialization)")
+    anticipation: bool = param(True, "anticipation steps (false: the initial selection only)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.ring = self.window + self.m - 1 if self.anticipation else self.window  # the most tokens the window holds
+        if self.budget <= self.ring:
+            slots = "window + m - 1" if self.anticipation else "window"
+            raise ValueError(f"budget must be an int > the recent window's slots ({slots} = {self.ring}): static + "
+                             f"dynamic + window, got {self.budget!r}")
+        self.k_static, self.k_dyn = self.split(self.budget - self.ring)
+
+    def split(self, k: int) -> tuple[int, int]:
+        """k selected slots -> (k_static, k_dyn), Eq. 6: k_dyn = floor((1 - rho) k)."""
+        k_dyn = math.floor((1.0 - self.rho) * k + 1e-9)
+        return k - k_dyn, k_dyn
 
     def validate(self, cfg):
+        # neither set holds more than the context: a budget past it costs at most what full KV costs
+        # for each (a selection of k >= the candidates takes them all, capped or not)
+        k_static, k_dyn = self.split(self.budget - self.ring)
+        self.k_static, self.k_dyn = min(k_static, self.max_len), min(k_dyn, self.max_len)
         if cfg.sliding_window is not None and cfg.sliding_window < self.max_len:
             raise ValueError("synckv does not combine with a sliding-window model (Mistral) shorter than max_len")
         if self.n_r > cfg.n_kv_heads:

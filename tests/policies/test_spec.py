@@ -5,22 +5,27 @@ import subprocess
 import sys
 import textwrap
 
+from dataclasses import dataclass, field, fields
+
 import pytest
 import torch
 
 from minikv.policies import Policy, make
-from minikv.policies.base import _REGISTRY, _parse_value, _value_type, register
+from minikv.policies.base import _REGISTRY, register
+from minikv.policies.params import param, parse_value, value_type
 
 
+@dataclass(eq=False, kw_only=True)
 class _Typed(Policy):
     """A policy whose parameters cover every annotation style the parser reads."""
 
     name = "_typed_test"
 
-    def __init__(self, *, flag: bool = True, count: int = 3, ratio: float = 0.5, label: str = "x",
-                 maybe: int | None = None, backend: str = "eager"):
-        super().__init__(backend=backend)
-        self.flag, self.count, self.ratio, self.label, self.maybe = flag, count, ratio, label, maybe
+    flag: bool = param(True, "a flag")
+    count: int = param(3, "a count")
+    ratio: float = param(0.5, "a ratio")
+    label: str = param("x", "a label")
+    maybe: int | None = param(None, "an optional count")
 
     def make_layer(self, index):
         raise AssertionError("_typed_test is never bound: it exists to parse specs")
@@ -78,15 +83,15 @@ def test_real_policies_parse_by_type():
 
 
 def test_untyped_parameters_fall_back_to_the_first_fitting_type():
-    import inspect
+    @dataclass
+    class Untyped:  # no informative annotation, no informative default
+        a: object = None
+        b: object = field(default_factory=list)
 
-    def f(*, a=None, b):  # no annotation, no informative default
-        pass
-
-    params = inspect.signature(f).parameters
-    assert _value_type(params["a"]) == (None, True) and _value_type(params["b"]) == (None, False)
-    assert _parse_value("on") is True and _parse_value("12") == 12 and _parse_value("1.5") == 1.5
-    assert _parse_value("text") == "text" and _parse_value("none") is None
+    a, b = fields(Untyped)
+    assert value_type(a) == (None, True) and value_type(b) == (None, False)
+    assert parse_value("on") is True and parse_value("12") == 12 and parse_value("1.5") == 1.5
+    assert parse_value("text") == "text" and parse_value("none") is None
 
 
 # -- backend=triton without CUDA -----------------------------------------------------------------

@@ -24,10 +24,11 @@ the paper's W (None: counts never expire). Recovery is minikv's design (recovery
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from ..base import Policy, StepAction, register
+from ..base import Policy, StepAction, param, register
 from .layer_fast import SoftFreezeLayer
 from .recovery import RecoveryLadder
 from .schedule import Algorithm1Layer
@@ -35,6 +36,7 @@ from .schedule_fast import FreezeTiers
 
 
 @register
+@dataclass(eq=False, kw_only=True)
 class SoftFreeze(RecoveryLadder, Policy):
     """ASR-KF-EGR: sublinear soft freezing of low-relevance tokens to the host tier, with an
     entropy-guided recovery ladder."""
@@ -42,32 +44,34 @@ class SoftFreeze(RecoveryLadder, Policy):
     name = "softfreeze"
     max_batch = 1
 
-    def __init__(self, *, window: int = 32, tau: float = 2.0, softness: float = 4.0, history: int | None = None,
-                 score: str = "relative", egr: bool = True, egr_window: int = 16, egr_z: float = 3.0,
-                 egr_min: float = 1.0, egr_calm: int = 8, reset_steps: int = 8, rewalk_tokens: int = 4,
-                 max_rewalks: int = 2, backend: str = "eager"):
-        super().__init__(backend=backend)
-        if not (isinstance(window, int) and window >= 0):
-            raise ValueError(f"window (the paper's K, recent tokens never frozen) must be an int >= 0, got {window!r}")
-        if not (isinstance(tau, (int, float)) and tau >= 0):
-            raise ValueError(f"tau (relevance threshold) must be >= 0, got {tau!r}")
-        if not (isinstance(softness, (int, float)) and softness > 0):
-            raise ValueError(f"softness (the paper's k in Eq. 3) must be > 0, got {softness!r}")
-        if history is not None and not (isinstance(history, int) and history >= 1):
-            raise ValueError(f"history (the paper's W, steps) must be None or an int >= 1, got {history!r}")
-        if score not in ("raw", "relative"):
-            raise ValueError(f"score must be 'raw' (Eq. 2 as is) or 'relative' (s_j / mean s), got {score!r}")
-        for name, value, low in (("egr_window", egr_window, 2), ("egr_calm", egr_calm, 1), ("reset_steps", reset_steps, 1),
-                                 ("rewalk_tokens", rewalk_tokens, 1), ("max_rewalks", max_rewalks, 0)):
-            if not (isinstance(value, int) and value >= low):
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        if not (egr_z >= 0 and egr_min >= 0):
-            raise ValueError(f"egr_z and egr_min must be >= 0, got {egr_z!r}, {egr_min!r}")
-        self.window, self.tau, self.softness, self.history, self.score = window, float(tau), float(softness), history, score
-        self.egr, self.egr_window, self.egr_z, self.egr_min, self.egr_calm = egr, egr_window, egr_z, egr_min, egr_calm
-        self.reset_steps, self.rewalk_tokens, self.max_rewalks = reset_steps, rewalk_tokens, max_rewalks
-        # Eq. 3 gives d_j > 0 from c_j = c_min on: the smallest c with floor(sqrt(c) / k) >= 1
-        self.c_min = next(c for c in range(1, 10**9) if math.floor(math.sqrt(c) / self.softness) >= 1)
+    window: int = param(32, "the paper's K: the most recent tokens, never frozen", low=0)
+    tau: float = param(2.0, "relevance threshold: a token with s_j < tau is counted (Eq. 2)", low=0)
+    # k > 2^16 would need over 2^32 detections before a first freeze, more than any context
+    # holds: the bound keeps c_min's arithmetic finite and loses no behaviour
+    softness: float = param(4.0, "the paper's k in Eq. 3: d_j = floor(sqrt(c_j) / k)", above=0, high=2.0**16)
+    history: int | None = param(None, "the paper's W: only the last W steps' detections count (none: all; "
+                                      "capped by the context)", low=1)
+    score: str = param("relative", "raw (Eq. 2 as is) or relative (s_j / mean s over the layer)",
+                       choices=("raw", "relative"))
+    egr: bool = param(True, "entropy-guided recovery on spikes of the next-token entropy")
+    egr_window: int = param(16, "past entropies a spike is judged against", low=2)
+    egr_z: float = param(3.0, "a spike: entropy above the mean by egr_z standard deviations...", low=0)
+    egr_min: float = param(1.0, "...and by at least egr_min nats", low=0)
+    egr_calm: int = param(8, "steps without a spike that bring the ladder back to its bottom", low=1)
+    reset_steps: int = param(8, "window reset: unfreeze the tokens frozen in the last reset_steps steps", low=1)
+    rewalk_tokens: int = param(4, "rewalk: generated tokens dropped and generated anew (capped by the context)",
+                               low=1)
+    max_rewalks: int = param(2, "most rewalks per generation", low=0)
+
+    def __post_init__(self):
+        super().__post_init__()
+        # Eq. 3 gives d_j > 0 from c_j = c_min on: the smallest c with floor(sqrt(c) / k) >= 1,
+        # about k^2 (computed, not searched for: a huge k would make a search spin)
+        c = max(1, math.floor(self.softness**2) - 1)
+        while math.floor(math.sqrt(c) / self.softness) < 1:
+            c += 1
+        self.c_min = c
+        self.declared_history = self.history  # bind caps it by the context
 
     def validate(self, cfg) -> None:
         if cfg.sliding_window is not None:
@@ -76,9 +80,14 @@ class SoftFreeze(RecoveryLadder, Policy):
     def bind(self, cfg, **kwargs) -> "SoftFreeze":
         super().bind(cfg, **kwargs)
         # Eq. 3 tabulated for the fast form, d = floor(sqrt(c) / k), one lookup per step. A count
-        # grows at most once a step, and the steps of a generation are at most max_len plus the
-        # tokens its (at most max_rewalks) rewalks regenerate
-        c = torch.arange(self.max_len + self.max_rewalks * self.rewalk_tokens + 1, dtype=torch.float64)
+        # grows at most once a step, and every step that does not rewind adds a token, so between
+        # two resets of the counts (full_reset, which every rewalk runs first) a count reaches at
+        # most max_len: the table's size follows the context, whatever rewalk_tokens and max_rewalks
+        c = torch.arange(self.max_len + 1, dtype=torch.float64)
+        # for the same reason a history of W >= max_len steps counts every detection: it is
+        # `none`, without the (layers, max_len, W) table of detection steps
+        W = self.declared_history
+        self.history = None if W is None or W >= self.max_len else W
         self.duration = torch.floor(torch.sqrt(c) / self.softness).long().to(self.tiers.device)
         if self.backend != "reference":  # the fast form: the tiers and state of all layers, stacked
             self.state = FreezeTiers(self, cfg.n_layers)
