@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from minikv.config import ModelConfig
 from minikv.models.attention import dense_attention
 from minikv.policies import make
-from minikv.policies.dci import first_k_distinct
+from minikv.policies.icecache.search import merge_group
 
 from ..fixtures import ITEMS_PROMPT, greedy_logits
 
@@ -40,8 +40,7 @@ def oracle_pages(layer, q, keys, n_tree):
         top = best.topk(min(K, len(best))).indices
         top = torch.where(best[top] > float("-inf"), top, -1).tolist()
         lists.append(top + [-1] * (K - len(top)))
-    rounds = torch.tensor(lists).view(f.H, G, K).transpose(1, 2).reshape(f.H, K * G)
-    return first_k_distinct(rounds, K, f.max_pages)
+    return torch.tensor([merge_group(lists[h * G:(h + 1) * G], K) for h in range(f.H)])
 
 
 def tokens_read(layer, pages, L, n_cand):

@@ -1,40 +1,33 @@
-"""Algorithm 3's page choice on the page-major key rows: the eager (CPU) path of select_pages.
+"""FIND-PAGE-INDEX on the page-major key rows: the eager (CPU) default of IceCache's page choice.
 
-IceCache (Mao, Wang, Ester, Li, "IceCache: Memory-Efficient KV-Cache Management for Long-Sequence
-LLMs", arXiv:2604.10539, 2026, https://arxiv.org/abs/2604.10539; Algorithms 3-4).
+Mao, Wang, Ester, Li, "IceCache: Memory-Efficient KV-Cache Management for Long-Sequence LLMs",
+ICLR 2026 submission, arXiv:2604.10539, https://arxiv.org/abs/2604.10539 (Algorithms 3-4).
 
-A query's pages are the k pages of largest max q.k over the keys its search scored (ties to the
-lower page; dci.DCIForest.select_pages). The reference way (dci_search.search_levels) scores each
-level's visited points in layout order and scatters their maxima into pages. Here the same answer
-comes from the index's rows, which are stored page by page (DCIForest.slot_keys: row c P + s is
-page c's slot s):
+The reference is search.py (query, then find_page_index): a query's pages are the k of largest
+max q.k over the keys its search scored, ties to the lower page. This fast form gets the same
+pages (tests/policies/test_dci.py) from the index's rows, stored page by page
+(DCIForest.slot_keys: row c P + s is page c's slot s):
 
   1. S = q . every row, one product (B, G, rows); a page's P scores are adjacent.
-  2. The descent of Algorithm 4 (levels from the top, the field of view) needs only the upper
-     levels' scores, which are few: it gives, per query and node of every level, the window of
-     layout positions the query scores there, [lo, lo + m), or none (a node not opened).
+  2. search_fast.descend, scoring each level from S, gives per query and node the window of
+     layout positions it scores, [lo, lo + m), or none (a node not opened).
   3. Upper bound: the max of a page's P scores, visited or not, is at least its visited max. The
-     C = 3k pages of largest bound are candidates; their visited max is exact (each row knows its
-     level's node and layout position: visited iff lo <= position < lo + m). If the k-th best
-     exact value beats the best bound outside the candidates, no other page can enter: the answer
-     is exact. Otherwise (rare: the search skipped most of the best pages) every page is
-     computed the same way.
+     C = 3k pages of largest bound are candidates; their visited max is exact (a row is visited
+     iff lo <= its layout position < lo + m). If the k-th best exact value beats the best bound
+     outside the candidates, no other page can enter; otherwise every page is computed.
 
-So a step touches each row once in the product and in one max over P adjacent scores, and
-per-point work (gathers, masks) only for 3k pages, not for the whole tree: on SmolLM2 at 8k keys
-the per-point post-processing of the reference path costs more than the product itself.
+So each row is touched once in the product and once in a max over P adjacent scores; per-point
+work (gathers, masks) only for 3k pages (docs/icecache_speed.md has the timings).
 """
 from __future__ import annotations
 
-import struct
 from typing import NamedTuple
 
 import torch
 
-from .dci_search import product_with_every_row
+from .search_fast import NOT_OPENED, blocks, descend, in_window
 
-CANDIDATE_PAGES = 3  # candidates per selected page (C = 3 k); on SmolLM2 at 8k keys 2 k never failed the check
-NOT_OPENED = 2**40  # window start of a node a query does not open: no position reaches it
+CANDIDATE_PAGES = 3  # candidate pages per selected page (C = 3 k)
 
 
 class SlotMap(NamedTuple):
@@ -69,64 +62,30 @@ def build_slot_map(forest, layouts) -> SlotMap:
     return SlotMap(info, torch.zeros(H, 1, rows).masked_fill_(empty[:, None], float("-inf")), offset)
 
 
-def window_starts_per_level(forest, S: torch.Tensor, twice_pq: torch.Tensor, layouts, fov: int) -> torch.Tensor:
-    """Algorithm 4's descent. S (B, G, rows) scores of every row; twice_pq (B, G, 1); layouts of
-    levels top .. 1 (the blocks' heads) -> lo (B, G, n_nodes + 1): per query and node, numbered
-    as in SlotMap, the first layout position its window scores, NOT_OPENED where the query does
-    not open the node (and for the empty rows' node). Counts the scored keys (forest.scored)."""
+def product_with_every_row(forest, qf: torch.Tensor, heads: torch.Tensor, same_heads: bool,
+                           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """qf (B, G, D) float32 -> (B, G, rows) q.k for every key row of the blocks' heads (empty rows
+    0), plus bias (B, 1, rows) if given (in the product's own pass: cheaper than a fill after it)."""
+    rows = max(forest.n_pages) * forest.P
+    keys = forest.slot_keys[:, :rows] if same_heads else forest.slot_keys.index_select(0, heads)[:, :rows]
+    if bias is None:
+        return torch.bmm(qf, keys.transpose(1, 2))
+    return torch.baddbmm(bias, qf, keys.transpose(1, 2))
+
+
+def window_starts_from_rows(forest, S: torch.Tensor, twice_pq: torch.Tensor, layouts, fov: int) -> torch.Tensor:
+    """search_fast.descend with each level's scores taken from S (B, G, rows) -> lo (B, G,
+    n_nodes + 1): per query and node (numbered as in SlotMap), its window start, NOT_OPENED
+    where it does not open the node (and for the empty rows' node)."""
     B, G = twice_pq.shape[:2]
-    order_pq = None  # float_order(2 pq), for the window starts (dci_search.window_starts)
-    expanded = None  # (B, G, n_{l+1} + 1) bool by position in level list; None: all expanded
-    starts = []
-    for i, lay in enumerate(layouts):
-        level = len(layouts) - i
-        N, n_l = lay.start.shape[1], lay.order.shape[1]
-        every_point = expanded is None and lay.whole
-        if every_point:
-            lo = lay.start[:, None].expand(B, G, N)
-            forest.scored += B * G * n_l
-        else:
-            order_pq = few_float_orders(twice_pq) if order_pq is None else order_pq
-            lo = torch.searchsorted(lay.pair_key, (lay.node_key[:, None] + order_pq).view(B, G * N)).view(B, G, N)
-            if expanded is not None:
-                opened = expanded.gather(2, lay.up[:, None].expand(B, G, N))
-                lo = lo.masked_fill_(~opened, NOT_OPENED)
-                forest.scored += int((opened * lay.m[:, None]).sum())
-            else:
-                forest.scored += G * int(lay.m.sum())
-        starts.append(lo)
-        if level == 1:
-            break
-        if every_point and fov >= n_l:
-            expanded = None  # the field of view covers the level: every point expanded
-            continue
-        scores = S.gather(2, lay.col[:, None].expand(B, G, n_l))  # the level in layout order
-        if not every_point:
-            scores.masked_fill_(~in_window(lay.pos_info[:, None], lo), float("-inf"))
-        # the fov best it scored (ties to the lower layout position) are expanded on the next level
-        top = scores.sort(dim=2, descending=True, stable=True)
-        k = min(fov, n_l)
-        chosen = lay.in_level[:, None].expand(B, G, n_l).gather(2, top.indices[..., :k])  # by position in level
-        chosen.masked_fill_(top.values[..., :k] == float("-inf"), n_l)
-        expanded = torch.zeros(B, G, n_l + 1, dtype=torch.bool).scatter_(2, chosen, True)
-    starts.append(torch.full((B, G, 1), NOT_OPENED))
-    return torch.cat(starts, 2)
 
+    def score(lay, lo):  # the level's scores in layout order, what a query skips -inf
+        n_l = lay.order.shape[1]
+        s = S.gather(2, lay.col[:, None].expand(B, G, n_l))
+        return s.masked_fill_(~in_window(lay.pos_info[:, None], lo), float("-inf"))
 
-def few_float_orders(x: torch.Tensor) -> torch.Tensor:
-    """float_order of a few values (a block's queries), on Python numbers: for nine values one
-    pass over a list costs less than float_order's seven tensor operations."""
-    bits = [int.from_bytes(struct.pack("<f", v + 0.0), "little", signed=True) for v in x.reshape(-1).tolist()]
-    return torch.tensor([(b ^ 0x7FFFFFFF if b < 0 else b) + 2**31 for b in bits], dtype=torch.int64).view(x.shape)
-
-
-def in_window(info: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-    """info (..., 3, X) each row's node, layout position and window size m; lo (B, G, n_nodes + 1)
-    -> (B, G, X) bool: the query scores the row (lo <= position < lo + m, lo its node's)."""
-    B, G = lo.shape[:2]
-    node, pos, m = info.unbind(-2)
-    d = pos - lo.gather(2, node.expand(B, G, -1))
-    return (d >= 0) & (d < m)
+    starts = [lo for _, lo, _ in descend(forest, twice_pq, layouts, fov, score)]
+    return torch.cat(starts + [torch.full((B, G, 1), NOT_OPENED)], 2)
 
 
 def visited_page_max(S: torch.Tensor, lo: torch.Tensor, sm: SlotMap, pages: torch.Tensor, P: int) -> torch.Tensor:
@@ -146,23 +105,21 @@ def page_max(scores: torch.Tensor, P: int) -> torch.Tensor:
     return torch.nn.functional.max_pool1d(scores.view(B * G, 1, X), P).view(B, G, X // P)
 
 
-def select_pages_dense(forest, q: torch.Tensor, heads: torch.Tensor, k: int, fov: int, prop: float, batch: int,
-                       candidates: int = CANDIDATE_PAGES):
-    """q (B, G, D), heads (B,), or None for every head in order -> (B, G, k) the pages of the k
-    largest max q.k over the keys each query's search scores, ties to the lower page, -1 pad (see
-    the module docstring)."""
+def select_pages(forest, q: torch.Tensor, heads: torch.Tensor | None, k: int, fov: int, prop: float, batch: int,
+                 candidates: int = CANDIDATE_PAGES) -> torch.Tensor:
+    """search_fast.select_pages from one product with every row (see the module docstring):
+    q (B, G, D), heads (B,) or None for every head in order -> (B, G, k) pages, -1 pad."""
     B, G, D = q.shape
     P = forest.P
     qf = q.float()
-    same_heads = heads is None or (B == forest.H and torch.equal(heads, torch.arange(forest.H)))
-    layouts, sm = forest.search_layouts(prop, fov, batch)
-    if not same_heads:
-        layouts, sm = [lay.select(heads) for lay in layouts], sm.select(heads)
-    twice_pq = 2 * forest.query_projection(qf.reshape(B * G, D)).view(B, G, 1)  # 2 u.T_Q(q)
+    heads, layouts, twice_pq = blocks(forest, q, heads, prop, fov, batch)
+    same_heads = B == forest.H and torch.equal(heads, torch.arange(forest.H))
+    sm = forest.search_layouts(prop, fov, batch)[1]
+    sm = sm if same_heads else sm.select(heads)
     # (B, G, rows); empty slots -inf (never visited), added in the product: q.k + 0 is q.k
     S = product_with_every_row(forest, qf, heads, same_heads, sm.empty_bias)
     forest.searched += B * G * forest.n
-    lo = window_starts_per_level(forest, S, twice_pq, layouts, fov)
+    lo = window_starts_from_rows(forest, S, twice_pq, layouts, fov)
     n_pages = S.shape[2] // P
     bound = page_max(S, P)  # a page's best key, visited or not: >= its visited max
     C = min(n_pages, candidates * k)

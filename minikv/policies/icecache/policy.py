@@ -41,14 +41,14 @@ Decisions where the paper is silent (the authors' code where it speaks, DESIGN.m
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
-from .base import LayerKV, Policy, dense_attention, register
-from .dci import CLOSEST, DCIForest, field_of_view, first_k_distinct, random_direction
-from .full import FullLayer
-from .paged import PagedKV, PagedLayer, Staging, check_page_geometry
+from ..base import LayerKV, Policy, dense_attention, register
+from ..full import FullLayer
+from ..paged import PagedKV, PagedLayer, Staging, check_page_geometry
+from . import pages_fast, search_fast
+from .search import CLOSEST, field_of_view, merge_group, page_select
+from .tree import DCIForest, random_direction
 
 
 class SemanticPages(PagedKV):
@@ -142,7 +142,7 @@ class IceCacheLayer(PagedLayer):
         self.selection = None  # (Hkv, K) page ids read by the last decode step, -1 pads
         self._read = None  # what the last decode step's attention read, for attended_indices
 
-    # -- page selection (Algorithms 3-4, GQA merge) ---------------------------------------------
+    # -- PAGE-SELECT (Algorithm 3) and the GQA merge ---------------------------------------------
     def select(self, q: torch.Tensor) -> torch.Tensor:
         """q (1, Hq, D) -> (Hkv, K) page ids per KV head, -1 pads."""
         f, K, pol = self.forest, self.K, self.policy
@@ -151,24 +151,23 @@ class IceCacheLayer(PagedLayer):
             for h, n in enumerate(f.n_pages):
                 out[h, :n] = torch.arange(n)
             return out
-        # each query head searches its KV head's tree: blocks of the G query heads of a group
-        # (the tree lives on the host: the query goes there, as in the authors' code)
-        pages = f.select_pages(q[0].view(f.H, self.G, -1).cpu(), None, K, pol.fov, pol.prop,
-                               pol.batch)  # (Hkv, G, K)
-        # GQA: the group's lists interleaved round-robin, the first K distinct kept
-        rounds = pages.transpose(1, 2).reshape(f.H, K * self.G)
-        return first_k_distinct(rounds, K, f.max_pages)
+        # each query head searches its KV head's tree (on the host, as in the authors' code)
+        q = q[0].cpu()  # (Hq, D)
+        if pol.search == "reference":  # search.py: Algorithms 3-4 as loops over levels and nodes
+            return page_select(f, q, K, pol.fov, pol.prop, pol.batch)
+        fast = pages_fast if f.backend == "eager" else search_fast  # one product, or gathered keys
+        fov = field_of_view(f.n) if pol.fov is None else pol.fov
+        pages = fast.select_pages(f, q.view(f.H, self.G, -1), None, K, fov, pol.prop, pol.batch)  # (Hkv, G, K)
+        return torch.tensor([merge_group(group, K) for group in pages.tolist()], dtype=torch.int64)
 
     # -- the contract ----------------------------------------------------------------------------
     def prefill(self, q, k, v, positions):
         # q (1, Hq, T, D); k, v (1, Hkv, T, D): dense attention over the prompt, then page it
         out = dense_attention(q, k, v)
-        t0 = time.perf_counter()
         self.kv.prefill(k, v)
         f, pol = self.forest, self.policy
-        if self.anchor is None and f.n and f.backend == "eager":  # the search's layouts, with the tree
-            f.search_layouts(pol.prop, field_of_view(f.n) if pol.fov is None else pol.fov, pol.batch)
-        pol.t_index += time.perf_counter() - t0
+        if self.anchor is None and f.n and f.backend == "eager" and pol.search != "reference":
+            f.search_layouts(pol.prop, field_of_view(f.n) if pol.fov is None else pol.fov, pol.batch)  # with the tree
         return out
 
     def decode(self, q, k, v, positions):
@@ -177,18 +176,11 @@ class IceCacheLayer(PagedLayer):
         q1 = q[:, :, 0]  # (1, Hq, D)
         kv.append(k, v)
         if kv.n_cand:
-            t0 = time.perf_counter()
             self.selection = self.select(q1) if self.anchor is None else self.anchor.selection
-            t1 = time.perf_counter()
             pol.pages_recalled += kv.recall(self.selection)
-            t2 = time.perf_counter()
-            pol.t_select += t1 - t0
-            pol.t_recall += t2 - t1
         out = kv.attend(q1)[:, :, None]  # (1, Hq, 1, D)
         self._read = (*kv.last_read, kv.page_lens[0, :, kv.n_sink:kv.w0].clone())  # attend's record, and the fills
-        t0 = time.perf_counter()
-        kv.roll()  # a full window page leaves: its tokens into the tree and the host pages
-        pol.t_index += time.perf_counter() - t0
+        kv.roll()  # a full window page leaves: its tokens into the tree (insert) and the host pages
         return out
 
     def attended_indices(self) -> torch.Tensor | None:
@@ -231,7 +223,8 @@ class IceCache(Policy):
     def __init__(self, *, page_size: int = 16, budget: int = 256, sink: int = 32, window: int = 32,
                  skip_layers: int = 2, reuse_every: int = 1, fov: int | None = None, prop: float = 0.8,
                  batch: int = CLOSEST, seed: int = 0, backend: str = "eager"):
-        super().__init__(backend=backend)
+        self.search = backend  # "reference": search.py's loops; else the fast forms
+        super().__init__(backend="eager" if backend == "reference" else backend)
         check_page_geometry(page_size, budget, sink, window)
         if budget < sink + window + page_size:
             raise ValueError(f"budget must be >= sink + window + page_size = {sink + window + page_size} "
@@ -267,9 +260,6 @@ class IceCache(Policy):
 
     def reset_counters(self) -> None:
         self.pages_recalled = 0
-        self.t_select = self.t_recall = self.t_index = 0.0
-        self.t_decode = 0.0
-        self._t_step = None
 
     def is_anchor(self, index: int) -> bool:
         return index >= self.skip_layers and (index - self.skip_layers) % self.reuse_every == 0
@@ -289,13 +279,6 @@ class IceCache(Policy):
     def aux_bytes(self) -> tuple[int, int]:
         return self.staging.nbytes()
 
-    def end_step(self, logits=None):
-        now = time.perf_counter()
-        if self._t_step is not None:
-            self.t_decode += now - self._t_step  # the decode step just ended (prefill excluded)
-        self._t_step = now
-        return super().end_step(logits)
-
     def stats(self) -> dict:
         s = super().stats()
         ice = [layer for layer in self.layers if isinstance(layer, IceCacheLayer)]
@@ -310,10 +293,5 @@ class IceCache(Policy):
             "pages_recalled_per_step": self.pages_recalled / decode_steps if decode_steps else float(self.pages_recalled),
             "keys_scored_fraction": scored / searched if searched else float("nan"),
             "mean_page_fill": tokens / (pages * self.page_size) if pages else float("nan"),
-            "select_s": self.t_select,
-            "recall_s": self.t_recall,
-            "index_s": self.t_index,
-            "search_share": self.t_select / self.t_decode if self.t_decode else float("nan"),
-            "recall_share": self.t_recall / self.t_decode if self.t_decode else float("nan"),
         })
         return s

@@ -1,54 +1,37 @@
-"""The query side of IceCache's DCI tree (dci.py): Algorithms 3 and 4, batched.
+"""IceCache's query batched (fast form of search.py): Algorithm 4's descent over every KV head
+and query of a step at once.
 
-IceCache (Mao, Wang, Ester, Li, "IceCache: Memory-Efficient KV-Cache Management for Long-Sequence
-LLMs", arXiv:2604.10539, 2026, https://arxiv.org/abs/2604.10539; Algorithms 3-4, Appendix B).
+Mao, Wang, Ester, Li, "IceCache: Memory-Efficient KV-Cache Management for Long-Sequence LLMs",
+ICLR 2026 submission, arXiv:2604.10539, https://arxiv.org/abs/2604.10539 (Algorithms 3-4).
 
-From the top level down, the candidates of a level are the children of the `fov` best points
-expanded on the level above (all top-level points at the start). Each node's children are
-scanned as the authors' M-DCI scans them with one simple index (m = 1): outward from the query's
-projection u.T_Q(q) in the order of |u.T_K(k) - u.T_Q(q)|, in batches of CLOSEST = 128
-projections, until max(fov, ceil(prop size)) are scored (the candidate stop, prop_to_retrieve =
-0.8, checked after each batch); a node the field of view covers (size <= fov) is scored whole.
-So nodes of up to 128 children are scored whole, and the tree prunes by the field of view: only
-the children of the fov best points of a level are looked at. (Where M-DCI picks a batch's side
-by the next projection, the window here is the m nearest projections; the count is M-DCI's.)
-Scoring is exact, by q.k. Field of view max(30, 0.0015 n) as in the authors' code. With
-fov >= n every point is scored: the search is exact.
+search.py is the reference: read it first. This module computes the same thing for blocks of G
+queries (B, G, D), block b searching KV head heads[b]'s tree, and is tested to score the same
+keys (tests/policies/test_dci.py):
 
-Batched form. The search runs per level on all KV heads and all queries of a block at once. What
-does not depend on the query is kept per level until an insertion (LevelLayout): the level's
-points grouped by node, in projection order within one, their pages, and per node the window
-size m and the pair sums x_i + x_{i+m} (node_windows). Per query and node, the window
-start is one searchsorted, and a query's visited points are its windows in the opened nodes.
+  a node's scan (search.scan_node)    visited_per_node (how many) and node_windows (where): the
+                                      m children nearest the query's projection are a window
+                                      [a, a + m) of the node's sorted run, found by one searchsorted
+  the levels (search.query's loop)    descend(): the one batched descent, shared by search() and
+                                      pages_fast.select_pages; what does not depend on the query
+                                      is kept per level until an insertion (LevelLayout)
+  FIND-PAGE-INDEX                     select_pages(): each level's scores into page maxima
 
-How the visited keys are scored. With the Triton backend, a block's queries (one KV head's query
-heads) share their candidates, the union of what they visit, gathered and scored by
-kernels/dci_scores, each key read once per block. The eager path on a CPU multiplies the queries
-by every key row of the tree (DCIForest.slot_keys, page by page) in one product instead and masks
-what a query does not visit to -inf:
-a group's queries visit most of the tree between them (at 8k keys the field of view's 30 nodes
-of ~125 children are half of level 1 per query, and the union of a group's three queries two
-thirds), and one product over contiguous keys costs less on a CPU than gathering two thirds of
-them (about 0.5 against 1.5 ms per layer on SmolLM2 at 8k keys). Either way a query's scores, and the
-search's result, are exactly Algorithm 4's: the stats count the keys the search visits.
-DCIForest.select_pages takes the eager path's pages from that product without scoring each
-level in layout order (dci_pages.py); search_levels is the reference it is tested against.
+How the visited keys are scored is the caller's: here the union of a block's visited keys is
+gathered and scored by kernels/dci_scores (the Triton backend's way; each key read once per
+block); pages_fast.py (the eager default on a CPU) multiplies by every key row at once instead.
 """
 from __future__ import annotations
 
+import struct
 from typing import NamedTuple
 
 import torch
 
-from ..kernels.dci_scores import dci_scores
-from ..kernels.dci_scores.reference import float_order, ranked
+from ...kernels.dci_scores import dci_scores
+from ...kernels.dci_scores.reference import float_order, stable_topk
+from .search import CLOSEST, field_of_view
 
-CLOSEST = 128  # projections a node's scan scores per step before it checks its stop (M-DCI's CLOSEST)
-
-
-def field_of_view(n: int) -> int:
-    """Points expanded per level at query time: max(30, 0.0015 n) (the authors' query setting)."""
-    return max(30, int(n * 1.5e-3))
+NOT_OPENED = 2**40  # window start of a node a query does not open: no position reaches it
 
 
 class LevelLayout(NamedTuple):
@@ -63,7 +46,7 @@ class LevelLayout(NamedTuple):
     col: torch.Tensor  # (H, n_l) the key row of each position (page P + slot, DCIForest.slot_keys)
     in_level: torch.Tensor  # (H, n_l) each position's place in the level list (pos_in_level)
     node_key: torch.Tensor  # (H, N) j 2^32: node j's part of a searchsorted value in pair_key
-    pos_info: torch.Tensor  # (H, 3, n_l) each position's node, the position, its node's m (dci_pages)
+    pos_info: torch.Tensor  # (H, 3, n_l) each position's node, the position, its node's m (in_window)
     sort_key: torch.Tensor  # (H, n_l) int64 the order's key (node_sort_key), ascending
     whole: bool  # every node scored whole (m == size): an opened node needs no window
 
@@ -127,151 +110,150 @@ def merged_by_node(forest, base: LevelLayout, new: torch.Tensor) -> tuple[torch.
     return order, key
 
 
-def visited_points(lay: LevelLayout, twice_pq: torch.Tensor, expanded: torch.Tensor | None):
-    """-> ((B, G, n_l) bool: the points each query scores on this level, its window in each node
-    it opened; how many that is in all). twice_pq (B, G, 1) twice each query's projection;
-    expanded (B, G, n_{l+1} + 1) the points expanded on the level above, by position, or None
-    where all were."""
+
+
+def few_float_orders(x: torch.Tensor) -> torch.Tensor:
+    """float_order of a few values (a block's queries), on Python numbers: for nine values one
+    pass over a list costs less than float_order's seven tensor operations."""
+    bits = [int.from_bytes(struct.pack("<f", v + 0.0), "little", signed=True) for v in x.reshape(-1).tolist()]
+    return torch.tensor([(b ^ 0x7FFFFFFF if b < 0 else b) + 2**31 for b in bits], dtype=torch.int64).view(x.shape)
+
+
+def in_window(info: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """info (..., 3, X) each point's node, layout position and window size m; lo (B, G, nodes)
+    -> (B, G, X) bool: the query scores the point (lo <= position < lo + m, lo its node's)."""
+    B, G = lo.shape[:2]
+    node, pos, m = info.unbind(-2)
+    d = pos - lo.gather(2, node.expand(B, G, -1))
+    return (d >= 0) & (d < m)
+
+
+def descend(forest, twice_pq: torch.Tensor, layouts: list[LevelLayout], fov: int, score):
+    """Algorithm 4's levels, batched: twice_pq (B, G, 1) twice each query's u.T_Q(q); layouts of
+    levels top .. 1 (the blocks' heads); score(lay, lo) -> (B, G, n_l) the level's q.k in layout
+    order, -inf where a query does not visit. Yields per level (lay, lo, scores): lo (B, G, N)
+    each query's window start in each node, NOT_OPENED where it does not open the node; scores
+    where the descent needed them to choose the fov best (else None). Counts forest.scored."""
     B, G = twice_pq.shape[:2]
-    N, n_l = lay.start.shape[1], lay.order.shape[1]
-    lo = window_starts(lay.pair_key, twice_pq, N)  # (B, G, N)
-    hi = lo + lay.m[:, None]
-    opened = torch.ones(B, G, N, dtype=torch.int32) if expanded is None else \
-        expanded.gather(2, lay.up[:, None].expand(B, G, N)).int()
-    # +1 at each window's start, -1 past its end: nodes are disjoint runs, so a point is visited
-    # where the running sum is 1
-    marks = torch.zeros(B, G, n_l + 1, dtype=torch.int32)
-    marks.scatter_add_(2, lo, opened).scatter_add_(2, hi, -opened)
-    return marks.cumsum(2)[:, :, :n_l] > 0, int((opened * lay.m[:, None]).sum())
+    order_pq = few_float_orders(twice_pq)
+    expanded = None  # (B, G, n_{l+1} + 1) bool by place in the level above; None: every point
+    for i, lay in enumerate(layouts):
+        N, n_l = lay.start.shape[1], lay.order.shape[1]
+        every_point = expanded is None and lay.whole  # every node opened and read whole
+        if every_point:
+            lo = lay.start[:, None].expand(B, G, N)
+            forest.scored += B * G * n_l
+        else:  # the window starts, one searchsorted per node (node_windows)
+            lo = window_starts(lay.pair_key, lay.node_key, order_pq)
+            if expanded is None:
+                forest.scored += G * int(lay.m.sum())
+            else:  # only the children of the points expanded on the level above
+                opened = expanded.gather(2, lay.up[:, None].expand(B, G, N))
+                lo = lo.masked_fill(~opened, NOT_OPENED)
+                forest.scored += int((opened * lay.m[:, None]).sum())
+        if i == len(layouts) - 1 or (every_point and fov >= n_l):
+            yield lay, lo, None  # the last level, or the field of view covers it: nothing to rank
+            expanded = None
+            continue
+        scores = score(lay, lo)
+        yield lay, lo, scores
+        # the fov best it scored (ties to the lower layout position) are expanded on the next level
+        top = scores.sort(dim=2, descending=True, stable=True)
+        k = min(fov, n_l)
+        chosen = lay.in_level[:, None].expand(B, G, n_l).gather(2, top.indices[..., :k])  # by place in level
+        chosen.masked_fill_(top.values[..., :k] == float("-inf"), n_l)
+        expanded = torch.zeros(B, G, n_l + 1, dtype=torch.bool).scatter_(2, chosen, True)
 
 
-def union_candidates(order: torch.Tensor, visit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """order (B, n_l) tree ids, visit (B, G, n_l) -> (cand (B, C) the union of a block's visited
-    points in layout order, -1 padded; mask (B, G, C) which query visits which)."""
-    B, G, n_l = visit.shape
+def gathered_scores(forest, qf: torch.Tensor, heads: torch.Tensor, lay: LevelLayout, lo: torch.Tensor) -> torch.Tensor:
+    """descend's score(): the union of a block's visited points gathered and scored once for
+    the block (kernels/dci_scores) -> (B, G, n_l) q.k in layout order, -inf where not visited."""
+    B, G = qf.shape[:2]
+    n_l = lay.order.shape[1]
+    visit = in_window(lay.pos_info[:, None], lo)  # (B, G, n_l)
     union = visit.any(dim=1)  # (B, n_l)
     dest = union.cumsum(1) - 1
     C = int(dest[:, -1].max()) + 1
-    at = torch.full((B, C + 1), n_l - 1, dtype=torch.int64)  # layout positions of the union
+    at = torch.full((B, C + 1), n_l, dtype=torch.int64)  # layout positions of the union, n_l pads
     at.scatter_(1, torch.where(union, dest, C), torch.arange(n_l).expand(B, n_l))
     at = at[:, :C]
-    cand = torch.where(torch.arange(C) <= dest[:, -1:], order.gather(1, at), -1)
-    return cand, visit.gather(2, at[:, None].expand(B, G, C))
+    rows = torch.where(at < n_l, lay.col.gather(1, at.clamp_max(n_l - 1)), -1)  # key rows
+    mask = visit.gather(2, at.clamp_max(n_l - 1)[:, None].expand(B, G, C)) & (at < n_l)[:, None]
+    scores, _ = dci_scores(qf, forest.slot_keys, heads, rows, mask, 0, backend=forest.backend)
+    out = torch.full((B, G, n_l + 1), float("-inf")).scatter_(2, at[:, None].expand(B, G, C), scores)
+    return out[..., :n_l]
 
 
-def product_with_every_row(forest, qf: torch.Tensor, heads: torch.Tensor, same_heads: bool,
-                           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """qf (B, G, D) float32 -> (B, G, rows) q.k for every key row of the blocks' heads (empty rows
-    0), plus bias (B, 1, rows) if given (in the product's own pass: cheaper than a fill after it)."""
-    rows = max(forest.n_pages) * forest.P
-    keys = forest.slot_keys[:, :rows] if same_heads else forest.slot_keys.index_select(0, heads)[:, :rows]
-    if bias is None:
-        return torch.bmm(qf, keys.transpose(1, 2))
-    return torch.baddbmm(bias, qf, keys.transpose(1, 2))
-
-
-def search(forest, q: torch.Tensor, heads: torch.Tensor, fov: int, prop: float, batch: int = CLOSEST,
-           dense: bool | None = None):
-    """Algorithm 4 with Flag = True: score the keys the tree search visits. q (B, G, D) blocks of
-    G queries searching the tree of KV head heads[b] (B,) -> per level, from the top,
-    concatenated: ids (B, C) tree ids (-1 pad) and scores (B, G, C) float32, q.k where query g
-    scored the key, -inf where it did not. dense: one product with every key, masked (default
-    with the eager backend), or the block's union gathered (dci_scores); the same result."""
-    levels = list(search_levels(forest, q, heads, fov, prop, batch, dense))
-    return torch.cat([ids for ids, _, _ in levels], dim=1), torch.cat([scores for _, _, scores in levels], dim=2)
-
-
-def search_levels(forest, q: torch.Tensor, heads: torch.Tensor, fov: int, prop: float, batch: int = CLOSEST,
-                  dense: bool | None = None):
-    """search(), level by level from the top: yields (ids (B, C_l) tree ids, -1 pad; pages (B, C_l)
-    their pages, max_pages for the pad; scores (B, G, C_l))."""
+def blocks(forest, q: torch.Tensor, heads: torch.Tensor | None, prop: float, fov: int, batch: int):
+    """-> (heads (B,), the layouts of levels top .. 1 for those heads, twice_pq (B, G, 1))."""
     B, G, D = q.shape
+    heads = torch.arange(forest.H) if heads is None else heads
+    layouts = [forest.layout(level, prop, fov, batch) for level in range(forest.top, 0, -1)]
+    if not (B == forest.H and torch.equal(heads, torch.arange(forest.H))):
+        layouts = [lay.select(heads) for lay in layouts]
+    twice_pq = 2 * forest.query_projection(q.float().reshape(B * G, D)).view(B, G, 1)  # 2 u.T_Q(q)
+    return heads, layouts, twice_pq
+
+
+def search(forest, q: torch.Tensor, heads: torch.Tensor | None, fov: int, prop: float = 0.8, batch: int = CLOSEST):
+    """search.query for blocks: q (B, G, D) -> ids (B, C) tree ids of every level from the top,
+    layout order, and scores (B, G, C) float32, q.k where the query scored the key, else -inf."""
+    heads, layouts, twice_pq = blocks(forest, q, heads, prop, fov, batch)
     qf = q.float()
-    twice_pq = 2 * forest.query_projection(qf.reshape(B * G, D)).view(B, G, 1)  # 2 u.T_Q(q)
-    same_heads = B == forest.H and torch.equal(heads, torch.arange(forest.H))  # the policy's case
-    every_key = None  # eager: (B, G, rows) q.k for every key row of the tree, page by page
-    if forest.backend == "eager" if dense is None else dense:
-        every_key = product_with_every_row(forest, qf, heads, same_heads)
+    forest.searched += q.shape[0] * q.shape[1] * forest.n
+    score = lambda lay, lo: gathered_scores(forest, qf, heads, lay, lo)  # noqa: E731
+    levels = [(lay.order, score(lay, lo) if s is None else s) for lay, lo, s in descend(forest, twice_pq, layouts, fov, score)]
+    return torch.cat([ids for ids, _ in levels], 1), torch.cat([s for _, s in levels], 2)
+
+
+def top_keys(forest, q: torch.Tensor, heads: torch.Tensor | None, k: int, fov: int | None = None,
+             prop: float = 0.8, batch: int = CLOSEST) -> torch.Tensor:
+    """The k keys of largest q.k the search scores: q (B, G, D) -> tree ids (B, G, k), -1 pad."""
+    ids, scores = search(forest, q, heads, field_of_view(forest.n) if fov is None else fov, prop, batch)
+    B, G, C = scores.shape
+    if C < k:
+        ids = torch.cat((ids, ids.new_full((B, k - C), -1)), 1)
+        scores = torch.cat((scores, scores.new_full((B, G, k - C), float("-inf"))), 2)
+    best = stable_topk(scores, k)  # (B, G, k)
+    found = ids[:, None].expand(B, G, -1).gather(2, best)
+    return torch.where(scores.gather(2, best) > float("-inf"), found, -1)
+
+
+def select_pages(forest, q: torch.Tensor, heads: torch.Tensor | None, k: int, fov: int, prop: float = 0.8,
+                 batch: int = CLOSEST) -> torch.Tensor:
+    """search.find_page_index for blocks: q (B, G, D) -> (B, G, k) the pages of the k largest
+    max q.k over the keys each query scored, ties to the lower page, -1 pad."""
+    B, G, _ = q.shape
+    heads, layouts, twice_pq = blocks(forest, q, heads, prop, fov, batch)
+    qf = q.float()
     forest.searched += B * G * forest.n
-    expanded = None  # (B, G, n_{l+1} + 1) bool by position, the fov best of the level above; None: all
-    for level in range(forest.top, 0, -1):
-        lay = forest.layout(level, prop, fov, batch)
-        if not same_heads:
-            lay = lay.select(heads)
-        n_l = lay.order.shape[1]
-        visit, n_visited = (None, B * G * n_l) if expanded is None and lay.whole else \
-            visited_points(lay, twice_pq, expanded)
-        forest.scored += n_visited
-        # the fov best are expanded on the next level; none to rank where all will be
-        all_expanded = visit is None and fov >= n_l
-        k = min(fov, n_l) if level > 1 and not all_expanded else 0
-        if every_key is not None:  # the level's points in layout order, what a query skips masked
-            cand, pages = lay.order, lay.page
-            scores = every_key.gather(2, lay.col[:, None].expand(B, G, n_l))
-            if visit is not None:
-                scores = torch.where(visit, scores, float("-inf"))
-            best = ranked(scores, k)
-        else:
-            cand, mask = union_candidates(lay.order, torch.ones(B, G, n_l, dtype=torch.bool) if visit is None else visit)
-            pages = torch.where(cand >= 0, forest.page_of.index_select(0, heads).gather(1, cand.clamp_min(0)),
-                                forest.max_pages)
-            slots = forest.slot_of.index_select(0, heads).gather(1, cand.clamp_min(0))
-            rows = torch.where(cand >= 0, pages * forest.P + slots, -1)
-            scores, best = dci_scores(qf, forest.slot_keys, heads, rows, mask, min(k, cand.shape[1]),
-                                      backend=forest.backend)
-        yield cand, pages, scores
-        if level > 1:
-            if all_expanded:
-                expanded = None
-            else:
-                chosen = cand.gather(1, best.view(B, -1).clamp_min(0)).view(B, G, -1)
-                where = torch.where(best >= 0, forest.pos_in_level[chosen.clamp_min(0)], n_l)
-                expanded = torch.zeros(B, G, n_l + 1, dtype=torch.bool).scatter_(2, where, True)
+    score = lambda lay, lo: gathered_scores(forest, qf, heads, lay, lo)  # noqa: E731
+    best = torch.full((B, G, forest.max_pages + 1), float("-inf"))  # per page, its best scored key
+    for lay, lo, scores in descend(forest, twice_pq, layouts, fov, score):
+        scores = score(lay, lo) if scores is None else scores
+        best.scatter_reduce_(2, lay.page[:, None].expand(B, G, -1), scores, "amax")
+    k_eff = min(k, forest.max_pages)
+    top = stable_topk(best[..., :forest.max_pages], k_eff)
+    out = torch.where(best.gather(2, top) > float("-inf"), top, -1)
+    return out if k_eff == k else torch.cat((out, out.new_full((B, G, k - k_eff), -1)), 2)
 
 
-# -- one node's window (the candidate stop of one simple index) ------------------------------------
+# -- one node's window (search.scan_node, per node and in closed form) ---------------------------
 
 def visited_per_node(size: torch.Tensor, prop: float, fov: int = 0, batch: int = 1) -> torch.Tensor:
     """How many of a node's `size` children a query scores, as the authors' M-DCI query does
     with one simple index: all of them when the field of view covers the node (fov >= size);
     otherwise the nearest projections are taken in batches of `batch` (M-DCI's CLOSEST = 128)
     until at least max(fov, ceil(prop size)) are scored (the candidate stop, checked after each
-    batch). batch = 1, fov = 0: exactly ceil(prop size), closest_per_node's rule."""
+    batch): search.scan_node's count, in closed form."""
     want = torch.ceil(size * prop - 1e-9).long().clamp_min(fov)
     m = ((want + batch - 1) // batch) * batch
     return torch.where(size <= fov, size, m.minimum(size))
 
 
-def closest_per_node(x: torch.Tensor, twice_pq: torch.Tensor, start: torch.Tensor, size: torch.Tensor, prop: float,
-                     ar: torch.Tensor) -> torch.Tensor:
-    """DCI's candidate stop with one simple index (m = 1): of each node's children, the
-    m = ceil(prop * size) closest to the query in projection. x (B, n_l) projections of the
-    points of a block's tree, grouped by node and ascending within one; start, size (B, n_l) of
-    each point's node; twice_pq (B, G, 1) twice each query's projection -> keep (B, G, n_l) bool.
-    (The definition node_windows is tested against.)
-
-    In one dimension the m nearest of a sorted run x_0 <= ... <= x_{s-1} are a window
-    [a, a + m), and x_i + x_{i+m} grows with i, so a = #{i < s - m : x_i + x_{i+m} < 2 pq}:
-    one gather and a cumulative sum instead of a sort per node."""
-    B, G, n_l = twice_pq.shape[0], twice_pq.shape[1], x.shape[1]
-    if prop >= 1.0:
-        return torch.ones(B, G, n_l, dtype=torch.bool)
-    m = torch.ceil(size * prop - 1e-9).long()
-    i = ar - start  # position within the node
-    pair = x + x.gather(1, (ar + m).clamp_max(n_l - 1))  # x_i + x_{i+m}, per block
-    cond = (i < size - m)[:, None] & (pair[:, None] < twice_pq)  # (B, G, n_l)
-    cs = cond.cumsum(2)
-    last = (start + size - 1)[:, None].expand(B, G, n_l)
-    before = cs.gather(2, (start - 1).clamp_min(0)[:, None].expand(B, G, n_l))
-    a = cs.gather(2, last) - torch.where(start > 0, 1, 0)[:, None] * before  # window start of each point's node
-    i = i[:, None]
-    return (i >= a) & (i < a + m[:, None])
-
-
 def node_windows(x: torch.Tensor, node_of: torch.Tensor, start: torch.Tensor, size: torch.Tensor,
                  prop: float, fov: int = 0, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """closest_per_node's rule, per node instead of per point, in the part that does not depend
-    on the query: x, node_of (H, n_l) projections grouped by node (ascending within one) and each
+    """search.scan_node's window, in the part that does not depend on the query: x, node_of (H, n_l) projections grouped by node (ascending within one) and each
     point's node index; start, size (H, N) per node -> (pair_key (H, n_l) int64 sorted per row,
     m (H, N) the children each query scores, visited_per_node). A query's window in node j is
     then [lo, lo + m_j) with lo = searchsorted(pair_key, j 2^32 + order(2 pq)): the m nearest of
@@ -288,9 +270,8 @@ def node_windows(x: torch.Tensor, node_of: torch.Tensor, start: torch.Tensor, si
     return node_of * 2**32 + low, m
 
 
-def window_starts(pair_key: torch.Tensor, twice_pq: torch.Tensor, n_nodes: int) -> torch.Tensor:
-    """pair_key (B, n_l) from node_windows, twice_pq (B, G, 1) -> lo (B, G, N): the first layout
-    position of each query's window in each node."""
-    B, G = twice_pq.shape[:2]
-    value = torch.arange(n_nodes) * 2**32 + float_order(twice_pq)  # (B, G, N)
-    return torch.searchsorted(pair_key, value.view(B, G * n_nodes)).view(B, G, n_nodes)
+def window_starts(pair_key: torch.Tensor, node_key: torch.Tensor, order_pq: torch.Tensor) -> torch.Tensor:
+    """pair_key (B, n_l) from node_windows, node_key (B, N) = node index 2^32, order_pq (B, G, 1)
+    float_order(2 pq) -> lo (B, G, N): the first layout position of each query's window per node."""
+    B, G, N = order_pq.shape[0], order_pq.shape[1], node_key.shape[1]
+    return torch.searchsorted(pair_key, (node_key[:, None] + order_pq).view(B, G * N)).view(B, G, N)
