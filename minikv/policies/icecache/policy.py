@@ -1,43 +1,30 @@
 """icecache: semantic KV pages, the leaves of a DCI tree per KV head (IceCache; paper 001).
 
 Mao, Wang, Ester, Li, "IceCache: Memory-Efficient KV-Cache Management for Long-Sequence LLMs",
-arXiv:2604.10539 (2026), an ICLR 2026 submission, https://arxiv.org/abs/2604.10539.
+ICLR 2026 submission, arXiv:2604.10539, https://arxiv.org/abs/2604.10539.
 
-Pages are not runs of consecutive tokens but clusters of keys that point the same way: the
-leaves of a DCI tree (dci.py). A query then finds its few relevant keys concentrated in a few
-pages, so a small budget reads what matters. Per layer (Algorithm 1):
+Pages are clusters of keys that point the same way (the tree's leaves), not runs of consecutive
+tokens, so a query's few relevant keys sit in a few pages. One decode step of a layer (Alg. 1):
 
-  prefill   dense attention over the prompt; the tokens between the sink and the window go to the
-            host tier, indexed into a DCI tree per KV head (Algorithm 2, Eqs. 2-3) whose leaves
-            are their pages: each token is written into exactly one page, bit for bit.
-  decode    the new token joins the window; each query head searches its KV head's tree for the
-            pages of its best keys (Algorithms 3-4); the group's page lists are merged
-            round-robin into at most k pages per KV head; only the pages not already on the
-            device are recalled, gathered into one contiguous buffer, copied once and scattered
-            into their slots (Sec. 4.3, bulk loading; kernels/page_gather, page_layout);
-            attention reads the sink, the selected pages and the window through a page table,
-            partly filled pages masked by their valid counts (kernels/paged_attention).
-  after     when the window's last page is full, its oldest page leaves the window and its tokens
-            are inserted into the tree (Algorithm 1 lines 26-36).
+  line 20       IceCacheLayer.decode: the new token joins the window (PagedKV.append)
+  line 22       IceCacheLayer.select: PAGE-SELECT (Alg. 3-4), search.page_select, then the GQA merge
+  line 23       SemanticPages.recall: only the pages not already on the device, bulk-copied (Sec. 4.3)
+  line 25       PagedKV.attend: sink, selected pages and window through a page table, partly
+                filled pages masked (kernels/paged_attention)
+  lines 16-17, 26-36   PagedKV.roll -> SemanticPages._offload: a full window page leaves; its tokens
+                go into the tree (tree.DCIForest.insert) and, bit for bit, into their host pages
+  prefill (lines 3-12) dense attention; the tokens between sink and window indexed (DCIForest.build)
 
-Budget (DESIGN.md): the most tokens per KV head per layer that attention reads on the device:
-sink + window + k pages of page_size. Defaults are the authors' code (LongBench scripts): pages
-of 16, budget 256 = 2 sink pages + 2 window pages + 12 retrieved pages, layers 0-1 full.
+Backends: `reference` runs search.py's loops; `eager` (the CPU default, faster) runs
+pages_fast.py; `triton` scores gathered keys with kernels/dci_scores (search_fast.py).
 
-Decisions where the paper is silent (the authors' code where it speaks, DESIGN.md "icecache"):
-  * GQA (Sec. 4.2 says "union"): each query head searches its KV head's tree and gets k pages;
-    the lists of a group are interleaved round-robin and the first k distinct pages kept, so a KV
-    head reads k pages, not G k (the authors' `first_k_unique`).
-  * When a head's tree has at most k pages, all are read without a search: nothing to choose.
-  * IceCache(reuse) (Appendix C): with reuse_every = r, layers skip_layers, skip_layers + r, ...
-    are anchors: they own a tree and search it; the r - 1 layers after an anchor hold their own
-    KV in pages of the anchor's tree (the same tokens grouped the same way) and read the pages
-    the anchor selected in the same step.
-  * The query is the current step's q: no speculation (the authors' default, n_prefetch = 0).
-  * The tree search scans a node's children as the authors' M-DCI does (dci.py: batches of 128
-    projections, a node the field of view covers scored whole; `batch`). Scoring only the
-    closest 80% of every node (batch = 1) drops a fifth of each upper level's subtrees: it
-    missed the passkey's page at 4,000 tokens where the authors' scan finds it.
+Decisions (docs/design.md, "icecache"): budget = sink + window + k pages of page_size per KV head;
+defaults from the authors' LongBench scripts (pages of 16, budget 256 = 2 sink + 2 window + 12
+retrieved pages, layers 0-1 full). GQA: each query head searches its KV head's tree, the group's
+lists are merged round-robin into k pages. A tree of at most k pages is read whole. IceCache(reuse)
+(App. C): with reuse_every = r, layers skip_layers, skip_layers + r, ... own a tree; the r - 1
+after an anchor keep their own KV in the anchor's pages and read the pages it selected. The
+query is the current step's q (no speculation, the authors' default).
 """
 from __future__ import annotations
 

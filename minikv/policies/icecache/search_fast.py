@@ -202,7 +202,8 @@ def search(forest, q: torch.Tensor, heads: torch.Tensor | None, fov: int, prop: 
     qf = q.float()
     forest.searched += q.shape[0] * q.shape[1] * forest.n
     score = lambda lay, lo: gathered_scores(forest, qf, heads, lay, lo)  # noqa: E731
-    levels = [(lay.order, score(lay, lo) if s is None else s) for lay, lo, s in descend(forest, twice_pq, layouts, fov, score)]
+    levels = [(lay.order, score(lay, lo) if s is None else s)  # every level's scores, the last's too
+              for lay, lo, s in descend(forest, twice_pq, layouts, fov, score)]
     return torch.cat([ids for ids, _ in levels], 1), torch.cat([s for _, s in levels], 2)
 
 
@@ -253,8 +254,8 @@ def visited_per_node(size: torch.Tensor, prop: float, fov: int = 0, batch: int =
 
 def node_windows(x: torch.Tensor, node_of: torch.Tensor, start: torch.Tensor, size: torch.Tensor,
                  prop: float, fov: int = 0, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """search.scan_node's window, in the part that does not depend on the query: x, node_of (H, n_l) projections grouped by node (ascending within one) and each
-    point's node index; start, size (H, N) per node -> (pair_key (H, n_l) int64 sorted per row,
+    """search.scan_node's window, in the part that does not depend on the query: x, node_of
+    (H, n_l) projections grouped by node (ascending within one) and each point's node index; start, size (H, N) per node -> (pair_key (H, n_l) int64 sorted per row,
     m (H, N) the children each query scores, visited_per_node). A query's window in node j is
     then [lo, lo + m_j) with lo = searchsorted(pair_key, j 2^32 + order(2 pq)): the m nearest of
     a sorted run x_0 <= ... <= x_{s-1} start at a = #{i < s - m : x_i + x_{i+m} < 2 pq} (the
