@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from .search_fast import NOT_OPENED, blocks, descend, in_window
+from .search_fast import NOT_OPENED, descend, in_window
 
 CANDIDATE_PAGES = 3  # candidate pages per selected page (C = 3 k)
 
@@ -112,10 +112,12 @@ def select_pages(forest, q: torch.Tensor, heads: torch.Tensor | None, k: int, fo
     B, G, D = q.shape
     P = forest.P
     qf = q.float()
-    heads, layouts, twice_pq = blocks(forest, q, heads, prop, fov, batch)
-    same_heads = B == forest.H and torch.equal(heads, torch.arange(forest.H))
-    sm = forest.search_layouts(prop, fov, batch)[1]
-    sm = sm if same_heads else sm.select(heads)
+    heads = torch.arange(forest.H) if heads is None else heads
+    same_heads = B == forest.H and torch.equal(heads, torch.arange(forest.H))  # the policy's case
+    layouts, sm = forest.search_layouts(prop, fov, batch)  # kept until the tree changes
+    if not same_heads:
+        layouts, sm = [lay.select(heads) for lay in layouts], sm.select(heads)
+    twice_pq = 2 * forest.query_projection(qf.reshape(B * G, D)).view(B, G, 1)  # 2 u.T_Q(q)
     # (B, G, rows); empty slots -inf (never visited), added in the product: q.k + 0 is q.k
     S = product_with_every_row(forest, qf, heads, same_heads, sm.empty_bias)
     forest.searched += B * G * forest.n

@@ -149,7 +149,7 @@ def descend(forest, twice_pq: torch.Tensor, layouts: list[LevelLayout], fov: int
                 forest.scored += G * int(lay.m.sum())
             else:  # only the children of the points expanded on the level above
                 opened = expanded.gather(2, lay.up[:, None].expand(B, G, N))
-                lo = lo.masked_fill(~opened, NOT_OPENED)
+                lo = lo.masked_fill_(~opened, NOT_OPENED)
                 forest.scored += int((opened * lay.m[:, None]).sum())
         if i == len(layouts) - 1 or (every_point and fov >= n_l):
             yield lay, lo, None  # the last level, or the field of view covers it: nothing to rank
@@ -266,9 +266,17 @@ def node_windows(x: torch.Tensor, node_of: torch.Tensor, start: torch.Tensor, si
     m_of = m.gather(1, node_of)  # (H, n_l) each point's node's m
     ar = torch.arange(n_l).expand(H, n_l)
     i = ar - start.gather(1, node_of)  # position within the node
-    pair = x + x.gather(1, (ar + m_of).clamp_max(n_l - 1))  # x_i + x_{i+m}
+    xd = x.double()  # two float32 add exactly in float64
+    pair = round_down(xd + xd.gather(1, (ar + m_of).clamp_max(n_l - 1)))  # x_i + x_{i+m}
     low = torch.where(i < size.gather(1, node_of) - m_of, float_order(pair), 2**32 - 1)
     return node_of * 2**32 + low, m
+
+
+def round_down(s: torch.Tensor) -> torch.Tensor:
+    """float64 -> the largest float32 <= s: then s < t iff round_down(s) < t for every float32 t
+    (2 pq is one), so the pair sums compare as exactly as search.scan_node's distances do."""
+    f = s.float()
+    return torch.where(f.double() > s, torch.nextafter(f, torch.tensor(float("-inf"))), f)
 
 
 def window_starts(pair_key: torch.Tensor, node_key: torch.Tensor, order_pq: torch.Tensor) -> torch.Tensor:
