@@ -5,7 +5,7 @@ model's real keys and queries, and the share of keys the search scores.
 
 One prefill over the first max(--keys) + --queries tokens of the standard library's
 pydoc_data.topics records the post-RoPE keys and queries of --layers. For each key count n, each
-layer and each KV head, a DCI tree (minikv/policies/dci.py: the MIPS transform of Eqs. 2-3,
+layer and each KV head, a DCI tree (minikv/policies/icecache/tree.py: the MIPS transform of Eqs. 2-3,
 deterministic promotion, one shared projection) indexes the keys of positions 0..n-1; the queries
 of the --queries positions right after n (each query head against its KV head's tree) search it
 with the default parameters (field of view max(30, 0.0015 n), the closest 80% of each node's
@@ -20,7 +20,8 @@ import sys
 import torch
 
 from ..policies import make
-from ..policies.dci import DCIForest, random_direction
+from ..policies.icecache.search_fast import top_keys
+from ..policies.icecache.tree import DCIForest, random_direction
 from .common import add_common_arguments, load_model, print_table, text_ids, write_json
 
 
@@ -50,7 +51,7 @@ def tree_recall(q: torch.Tensor, keys: torch.Tensor, k: int, fov: int | None = N
     forest = DCIForest(n_heads=H, head_dim=D, page_size=16, capacity=n, u=random_direction(D, seed))
     forest.build(keys)
     blocks = q.reshape(H, Hq // H * Q, D)  # the queries of the heads of each GQA group
-    found = forest.top_keys(blocks, torch.arange(H), k, fov, prop).reshape(Hq * Q, k)
+    found = top_keys(forest, blocks, torch.arange(H), k, fov, prop).reshape(Hq * Q, k)
     exact = torch.bmm(blocks, keys.transpose(1, 2)).reshape(Hq * Q, n).topk(k, dim=1).indices
     hits = sum(len(set(a) & set(b)) for a, b in zip(found.tolist(), exact.tolist()))
     return hits / exact.numel(), forest.scored / forest.searched

@@ -30,12 +30,14 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from contextlib import ExitStack
 
 import torch
 
 from ..generate import decode_bandwidth, decode_one_token, generate, weight_bytes_per_step
 from ..policies import make
 from .common import add_common_arguments, load_model, measure_read_bandwidth, print_table, text_ids, write_json
+from .probes import timed
 
 
 def add_arguments(p) -> None:
@@ -59,7 +61,7 @@ def summarize(runs: list[dict], new_tokens: int) -> dict:
         "device_tokens_peak": runs[-1]["device_tokens_peak"],
         "device_bytes": runs[-1]["device_bytes_allocated"],
         "bytes_per_token": runs[-1]["bytes_per_token"],
-        # policies that time their selection and recall (freekv) say what share of decoding it took
+        # the share of decoding a policy's selection and recall took (with_probes, or its own timers)
         "overhead_share": statistics.median(
             (r["select_s"] + r["recall_s"]) / (r["tpot_s"] * (new_tokens - 1)) for r in runs) if "select_s" in runs[-1] else None,
         # and each part on its own (the JSON rows): selection (a page-score pass, or a tree search) and recall
@@ -123,6 +125,39 @@ class LockstepPrefill:
             return outs[0]
 
 
+def probe_targets(policy) -> list:
+    """What the probes time in a bound policy: each layer (select, and recall where the layer
+    has it) and, where the layer has no recall of its own, its storage's (icecache's pages)."""
+    storage = [layer.kv for layer in policy.layers if not hasattr(layer, "recall") and hasattr(layer, "kv")]
+    return list(policy.layers) + storage
+
+
+def with_probes(stats: dict, totals: dict) -> dict:
+    """stats with select_s and recall_s (seconds over the run) from the probes' totals, where the
+    policy does not time them itself."""
+    for name in ("select", "recall"):
+        if name in totals:
+            stats.setdefault(f"{name}_s", totals[name])
+    return stats
+
+
+def timed_generate(model, tokenizer, ids: list[int], spec: str, new_tokens: int) -> dict:
+    """generate()'s stats, with the bound policy's select and recall timed from outside
+    (bench/probes.py): the probes go on when generate binds the policy and off when it returns."""
+    policy, totals = make(spec), {}
+    with ExitStack() as probes:
+        bind = policy.bind
+
+        def bind_and_probe(*args, **kwargs):
+            bound = bind(*args, **kwargs)
+            probes.enter_context(timed(probe_targets(bound), ["select", "recall"], totals))
+            return bound
+
+        policy.bind = bind_and_probe
+        stats = generate(model, tokenizer, ids, policy=policy, max_new_tokens=new_tokens, stop_at_eos=False).stats
+    return with_probes(stats, totals)
+
+
 def lockstep_prefill(model, ids: list[int], specs: list[str], new_tokens: int) -> tuple[list, list]:
     """Bind every policy and prefill it -> (policies, first token of each): one forward for all
     whose prefill agrees with the first's, one forward each for the others."""
@@ -148,17 +183,21 @@ def lockstep_runs(model, ids: list[int], specs: list[str], new_tokens: int) -> d
     policies, token = lockstep_prefill(model, ids, specs, new_tokens)
     times = [[] for _ in specs]
     produced = [[int(t)] for t in token]
-    for step in range(new_tokens - 1):
-        position = torch.tensor([len(ids) + step], device=model.device)
-        for j, policy in enumerate(policies):
-            t0 = time.perf_counter()
-            out = decode_one_token(model, token[j], position, policy)
-            times[j].append(time.perf_counter() - t0)
-            token[j] = out.argmax(-1)
-            produced[j].append(int(token[j]))
+    totals = [{} for _ in specs]
+    with ExitStack() as probes:
+        for policy, tot in zip(policies, totals):
+            probes.enter_context(timed(probe_targets(policy), ["select", "recall"], tot))
+        for step in range(new_tokens - 1):
+            position = torch.tensor([len(ids) + step], device=model.device)
+            for j, policy in enumerate(policies):
+                t0 = time.perf_counter()
+                out = decode_one_token(model, token[j], position, policy)
+                times[j].append(time.perf_counter() - t0)
+                token[j] = out.argmax(-1)
+                produced[j].append(int(token[j]))
     found = {}
-    for spec, policy, ts, toks in zip(specs, policies, times, produced):
-        stats = policy.stats()
+    for spec, policy, ts, toks, tot in zip(specs, policies, times, produced, totals):
+        stats = with_probes(policy.stats(), tot)
         stats.update(ttft_s=float("nan"), tpot_s=sum(ts) / len(ts), token_ids=toks)
         stats.update(decode_bandwidth(weight_bytes_per_step(model) + stats["kv_bytes_read_per_step"], stats["tpot_s"]))
         found[spec] = stats
@@ -184,8 +223,7 @@ def run(args) -> int:
             for i in range(args.warmup + args.repeats):
                 for policy in policies:
                     print(f"prompt {n}, round {i + 1}/{args.warmup + args.repeats}: {policy}", file=sys.stderr)
-                    stats = generate(model, tokenizer, ids, policy=policy, max_new_tokens=args.new_tokens,
-                                     stop_at_eos=False).stats
+                    stats = timed_generate(model, tokenizer, ids, policy, args.new_tokens)
                     if i >= args.warmup:
                         runs[policy].append(stats)
         cells = []

@@ -17,7 +17,7 @@ def test_policies_alternate_and_rows_report_each_policy(smollm2, tmp_path, monke
     real_generate = bench.generate
 
     def recording_generate(*a, policy, **kw):
-        order.append(policy)
+        order.append(policy.name)  # an unbound Policy (timed_generate probes it once bound)
         return real_generate(*a, policy=policy, **kw)
 
     monkeypatch.setattr(bench, "generate", recording_generate)
@@ -28,7 +28,7 @@ def test_policies_alternate_and_rows_report_each_policy(smollm2, tmp_path, monke
     args = parser.parse_args(["--prompt-lengths", "24", "--new-tokens", "6", "--repeats", "2", "--warmup", "1",
                               "--policy", window, "--policy", "full", "--json", str(out), "--png", str(png)])
     assert bench.run(args) == 0
-    assert order == [window, "full"] * 3  # one warm-up round, two timed rounds, policies in turn
+    assert order == ["streaming", "full"] * 3  # one warm-up round, two timed rounds, policies in turn
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert [r["policy"] for r in rows] == [window, "full"]
@@ -84,3 +84,25 @@ def test_lockstep_decodes_what_generate_decodes(smollm2):
         alone = generate(model, tok, ids, policy=spec, max_new_tokens=4, stop_at_eos=False)
         assert found[spec]["token_ids"] == alone.token_ids and found[spec]["tpot_s"] > 0
         assert found[spec]["bytes_per_token"] > 0 and found[spec]["bandwidth_gb_s"] > 0
+
+
+def test_icecache_select_and_recall_are_timed_from_outside(smollm2):
+    """icecache carries no clock (no perf_counter in its package); the speed benchmark times its
+    layers' select and its pages' recall with bench/probes.py, and reports their shares of
+    decoding, run by run and in lockstep."""
+    import pathlib
+
+    import minikv.policies.icecache as icecache
+    from minikv.bench.common import text_ids
+
+    sources = pathlib.Path(icecache.__file__).parent.glob("*.py")
+    assert not [p.name for p in sources if "perf_counter" in p.read_text()]
+    model, tok = smollm2
+    ids = text_ids(tok, 200)
+    stats = bench.timed_generate(model, tok, ids, "icecache:budget=96", 5)
+    assert stats["select_s"] > 0 and stats["recall_s"] > 0
+    row = bench.summarize([stats], 5)
+    assert 0 < row["select_share"] < 1 and 0 < row["recall_share"] < 1
+    assert row["overhead_share"] == pytest.approx(row["select_share"] + row["recall_share"])
+    found = bench.lockstep_runs(model, ids, ["full", "icecache:budget=96"], 4)
+    assert found["icecache:budget=96"]["select_s"] > 0 and "select_s" not in found["full"]

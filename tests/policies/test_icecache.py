@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from minikv.config import ModelConfig
 from minikv.models.attention import dense_attention
 from minikv.policies import make
-from minikv.policies.dci import first_k_distinct
+from minikv.policies.icecache.search import merge_group
 
 from ..fixtures import ITEMS_PROMPT, greedy_logits
 
@@ -40,8 +40,7 @@ def oracle_pages(layer, q, keys, n_tree):
         top = best.topk(min(K, len(best))).indices
         top = torch.where(best[top] > float("-inf"), top, -1).tolist()
         lists.append(top + [-1] * (K - len(top)))
-    rounds = torch.tensor(lists).view(f.H, G, K).transpose(1, 2).reshape(f.H, K * G)
-    return first_k_distinct(rounds, K, f.max_pages)
+    return torch.tensor([merge_group(lists[h * G:(h + 1) * G], K) for h in range(f.H)])
 
 
 def tokens_read(layer, pages, L, n_cand):
@@ -186,7 +185,7 @@ def test_smollm2_full_budget_equals_full_and_retrieval_stats(smollm2):
             assert max(s["device_tokens_per_layer"][2:]) <= 96
             assert s["host_tokens"] >= (T - 64) * 28 / 30 - 16
             assert s["pages_recalled"] > 0 and 0 < s["keys_scored_fraction"] <= 1
-            assert 0 < s["mean_page_fill"] <= 1 and s["search_share"] > 0
+            assert 0 < s["mean_page_fill"] <= 1
             read = policy.layers[10].attended_indices()
             assert read.shape[0] == 3 and ((read >= 0).sum(1) <= 96).all()
             assert policy.layers[0].attended_indices() is None
@@ -222,3 +221,27 @@ def test_smollm2_retrieves_a_passkey_with_a_small_budget(smollm2):
 def test_impossible_parameters(spec, message):
     with pytest.raises(ValueError, match=message):
         make(spec)
+
+
+@settings(max_examples=4)
+@given(case=icecache_cases())
+def test_gqa_merge_reference_backend(case):
+    """backend=reference (search.py's loops) holds the same budget, sink, window and, with
+    exhaustive parameters, selects the oracle's pages."""
+    case.update(steps=min(case["steps"], 4), T=min(case["T"], 60))
+    run_against_oracle(case, backend="reference")
+
+
+def test_smollm2_reference_backend_decodes_the_same_tokens(smollm2):
+    """SmolLM2, ~330 prompt tokens, a 96-token budget (sink 32, window 32, two retrieved pages of
+    ~16 in each tree): backend=reference, Algorithms 3-4 as loops, greedy-decodes the same tokens
+    as the default backend, and both searched (keys scored, pages recalled)."""
+    from minikv.generate import generate
+
+    model, tok = smollm2
+    ids = tok.encode(ITEMS_PROMPT)
+    runs = {b: generate(model, tok, ids, policy=f"icecache:budget=96,backend={b}", max_new_tokens=6,
+                        stop_at_eos=False) for b in ("eager", "reference")}
+    assert runs["reference"].token_ids == runs["eager"].token_ids
+    for r in runs.values():
+        assert r.stats["pages_recalled"] > 0 and 0 < r.stats["keys_scored_fraction"] <= 1

@@ -1,7 +1,7 @@
 """DCI candidate scoring, eager reference (IceCache, Algorithm 4's exact step).
 
-The tree search of IceCache (minikv/policies/dci.py) decides *which* keys to look at from their
-projections; this operation scores them exactly. A block b is the G queries of one KV head
+The tree search of IceCache (minikv/policies/icecache/search.py, batched in search_fast.py)
+decides *which* keys to look at from their projections; this operation scores them exactly. A block b is the G queries of one KV head
 heads[b] (a GQA group, or several query positions of one head): they share one candidate list,
 the union of the keys their searches visit, so each candidate key is read once for the block;
 mask[b, g] says which of them query g visits itself. Each visited key is scored by the inner

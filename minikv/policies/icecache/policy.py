@@ -1,55 +1,44 @@
 """icecache: semantic KV pages, the leaves of a DCI tree per KV head (IceCache; paper 001).
 
 Mao, Wang, Ester, Li, "IceCache: Memory-Efficient KV-Cache Management for Long-Sequence LLMs",
-arXiv:2604.10539 (2026), an ICLR 2026 submission, https://arxiv.org/abs/2604.10539.
+ICLR 2026 submission, arXiv:2604.10539, https://arxiv.org/abs/2604.10539.
 
-Pages are not runs of consecutive tokens but clusters of keys that point the same way: the
-leaves of a DCI tree (dci.py). A query then finds its few relevant keys concentrated in a few
-pages, so a small budget reads what matters. Per layer (Algorithm 1):
+Pages are clusters of keys that point the same way (the tree's leaves), not runs of consecutive
+tokens, so a query's few relevant keys sit in a few pages. One decode step of a layer (Alg. 1):
 
-  prefill   dense attention over the prompt; the tokens between the sink and the window go to the
-            host tier, indexed into a DCI tree per KV head (Algorithm 2, Eqs. 2-3) whose leaves
-            are their pages: each token is written into exactly one page, bit for bit.
-  decode    the new token joins the window; each query head searches its KV head's tree for the
-            pages of its best keys (Algorithms 3-4); the group's page lists are merged
-            round-robin into at most k pages per KV head; only the pages not already on the
-            device are recalled, gathered into one contiguous buffer, copied once and scattered
-            into their slots (Sec. 4.3, bulk loading; kernels/page_gather, page_layout);
-            attention reads the sink, the selected pages and the window through a page table,
-            partly filled pages masked by their valid counts (kernels/paged_attention).
-  after     when the window's last page is full, its oldest page leaves the window and its tokens
-            are inserted into the tree (Algorithm 1 lines 26-36).
+  line 20       IceCacheLayer.decode: the new token joins the window (PagedKV.append)
+  line 22       IceCacheLayer.select: PAGE-SELECT (Alg. 3-4), search.page_select, then the GQA merge
+  line 23       SemanticPages.recall: only the pages not already on the device, bulk-copied (Sec. 4.3)
+  line 25       PagedKV.attend: sink, selected pages and window through a page table, partly
+                filled pages masked (kernels/paged_attention)
+  lines 16-17, 26-36   PagedKV.roll -> SemanticPages._offload: a full window page leaves; its tokens
+                go into the tree (tree.DCIForest.insert) and, bit for bit, into their host pages
+  prefill (lines 3-12) dense attention; the tokens between sink and window indexed (DCIForest.build)
 
-Budget (DESIGN.md): the most tokens per KV head per layer that attention reads on the device:
-sink + window + k pages of page_size. Defaults are the authors' code (LongBench scripts): pages
-of 16, budget 256 = 2 sink pages + 2 window pages + 12 retrieved pages, layers 0-1 full.
+Backends: `reference` runs search.py's loops; `eager` (the CPU default, faster) runs
+pages_fast.py; `triton` scores gathered keys with kernels/dci_scores (search_fast.py).
 
-Decisions where the paper is silent (the authors' code where it speaks, DESIGN.md "icecache"):
-  * GQA (Sec. 4.2 says "union"): each query head searches its KV head's tree and gets k pages;
-    the lists of a group are interleaved round-robin and the first k distinct pages kept, so a KV
-    head reads k pages, not G k (the authors' `first_k_unique`).
-  * When a head's tree has at most k pages, all are read without a search: nothing to choose.
-  * IceCache(reuse) (Appendix C): with reuse_every = r, layers skip_layers, skip_layers + r, ...
-    are anchors: they own a tree and search it; the r - 1 layers after an anchor hold their own
-    KV in pages of the anchor's tree (the same tokens grouped the same way) and read the pages
-    the anchor selected in the same step.
-  * The query is the current step's q: no speculation (the authors' default, n_prefetch = 0).
-  * The tree search scans a node's children as the authors' M-DCI does (dci.py: batches of 128
-    projections, a node the field of view covers scored whole; `batch`). Scoring only the
-    closest 80% of every node (batch = 1) drops a fifth of each upper level's subtrees: it
-    missed the passkey's page at 4,000 tokens where the authors' scan finds it.
+Decisions (docs/design.md, "icecache"): budget = sink + window + k pages of page_size per KV head;
+defaults from the authors' LongBench scripts (pages of 16, budget 256 = 2 sink + 2 window + 12
+retrieved pages, layers 0-1 full). GQA: each query head searches its KV head's tree, the group's
+lists are merged round-robin into k pages. A tree of at most k pages is read whole. IceCache(reuse)
+(App. C): with reuse_every = r, layers skip_layers, skip_layers + r, ... own a tree; the r - 1
+after an anchor keep their own KV in the anchor's pages and read the pages it selected. The
+query is the current step's q (no speculation, the authors' default).
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
-from .base import LayerKV, Policy, dense_attention, param, register
-from .dci import CLOSEST, FIRST_PROMOTION, DCIForest, field_of_view, first_k_distinct, random_direction
-from .full import FullLayer
-from .paged import PagedKV, PagedLayer, Staging, check_page_geometry
+from ...kernels import check_backend
+from ..base import LayerKV, Policy, dense_attention, param, register
+from ..full import FullLayer
+from ..paged import PagedKV, PagedLayer, Staging, check_page_geometry
+from . import pages_fast, search_fast
+from .search import CLOSEST, field_of_view, merge_group, page_select
+from .tree import FIRST_PROMOTION, DCIForest, random_direction
 
 
 class SemanticPages(PagedKV):
@@ -143,7 +132,7 @@ class IceCacheLayer(PagedLayer):
         self.selection = None  # (Hkv, K) page ids read by the last decode step, -1 pads
         self._read = None  # what the last decode step's attention read, for attended_indices
 
-    # -- page selection (Algorithms 3-4, GQA merge) ---------------------------------------------
+    # -- PAGE-SELECT (Algorithm 3) and the GQA merge ---------------------------------------------
     def select(self, q: torch.Tensor) -> torch.Tensor:
         """q (1, Hq, D) -> (Hkv, K) page ids per KV head, -1 pads."""
         f, K, pol = self.forest, self.K, self.policy
@@ -152,24 +141,23 @@ class IceCacheLayer(PagedLayer):
             for h, n in enumerate(f.n_pages):
                 out[h, :n] = torch.arange(n)
             return out
-        # each query head searches its KV head's tree: blocks of the G query heads of a group
-        # (the tree lives on the host: the query goes there, as in the authors' code)
-        pages = f.select_pages(q[0].view(f.H, self.G, -1).cpu(), None, K, pol.fov, pol.prop,
-                               pol.batch)  # (Hkv, G, K)
-        # GQA: the group's lists interleaved round-robin, the first K distinct kept
-        rounds = pages.transpose(1, 2).reshape(f.H, K * self.G)
-        return first_k_distinct(rounds, K, f.max_pages)
+        # each query head searches its KV head's tree (on the host, as in the authors' code)
+        q = q[0].cpu()  # (Hq, D)
+        if pol.search == "reference":  # search.py: Algorithms 3-4 as loops over levels and nodes
+            return page_select(f, q, K, pol.fov, pol.prop, pol.batch)
+        fast = pages_fast if f.backend == "eager" else search_fast  # one product, or gathered keys
+        fov = field_of_view(f.n) if pol.fov is None else pol.fov
+        pages = fast.select_pages(f, q.view(f.H, self.G, -1), None, K, fov, pol.prop, pol.batch)  # (Hkv, G, K)
+        return torch.tensor([merge_group(group, K) for group in pages.tolist()], dtype=torch.int64)
 
     # -- the contract ----------------------------------------------------------------------------
     def prefill(self, q, k, v, positions):
         # q (1, Hq, T, D); k, v (1, Hkv, T, D): dense attention over the prompt, then page it
         out = dense_attention(q, k, v)
-        t0 = time.perf_counter()
         self.kv.prefill(k, v)
         f, pol = self.forest, self.policy
-        if self.anchor is None and f.n and f.backend == "eager":  # the search's layouts, with the tree
-            f.search_layouts(pol.prop, field_of_view(f.n) if pol.fov is None else pol.fov, pol.batch)
-        pol.t_index += time.perf_counter() - t0
+        if self.anchor is None and f.n and f.backend == "eager" and pol.search != "reference":
+            f.search_layouts(pol.prop, field_of_view(f.n) if pol.fov is None else pol.fov, pol.batch)  # with the tree
         return out
 
     def decode(self, q, k, v, positions):
@@ -178,18 +166,11 @@ class IceCacheLayer(PagedLayer):
         q1 = q[:, :, 0]  # (1, Hq, D)
         kv.append(k, v)
         if kv.n_cand:
-            t0 = time.perf_counter()
             self.selection = self.select(q1) if self.anchor is None else self.anchor.selection
-            t1 = time.perf_counter()
             pol.pages_recalled += kv.recall(self.selection)
-            t2 = time.perf_counter()
-            pol.t_select += t1 - t0
-            pol.t_recall += t2 - t1
         out = kv.attend(q1)[:, :, None]  # (1, Hq, 1, D)
         self._read = (*kv.last_read, kv.page_lens[0, :, kv.n_sink:kv.w0].clone())  # attend's record, and the fills
-        t0 = time.perf_counter()
-        kv.roll()  # a full window page leaves: its tokens into the tree and the host pages
-        pol.t_index += time.perf_counter() - t0
+        kv.roll()  # a full window page leaves: its tokens into the tree (insert) and the host pages
         return out
 
     def attended_indices(self) -> torch.Tensor | None:
@@ -250,9 +231,10 @@ class IceCache(Policy):
             raise ValueError(f"budget must be >= sink + window + page_size = {least} "
                              f"(at least one retrieved page), got {self.budget}")
         self.n_select = (self.budget - self.sink - self.window) // self.page_size
+        self.search = self.backend  # "reference": search.py's loops; else the fast forms
         # the tree and its keys live on the host tier; Triton reaches host memory only when there
         # is no GPU (interpreter), so with CUDA the host-side operations run eager
-        self.host_backend = self.backend
+        self.host_backend = check_backend(self.backend)  # "reference" runs the eager kernels
 
     def validate(self, cfg):
         # never more retrieved pages than a tree over the context has (DCIForest.max_pages: the
@@ -264,15 +246,12 @@ class IceCache(Policy):
         if cfg.sliding_window is not None and cfg.sliding_window < self.max_len:
             raise ValueError("icecache does not combine with a sliding-window model (Mistral) shorter than max_len")
         self.u = random_direction(cfg.head_dim, self.seed)  # one projection vector for all layers and heads
-        self.host_backend = "eager" if self.tiers.device.type == "cuda" else self.backend
+        self.host_backend = "eager" if self.tiers.device.type == "cuda" else check_backend(self.backend)
         self._anchor_of: dict[int, IceCacheLayer] = {}
         self.reset_counters()
 
     def reset_counters(self) -> None:
         self.pages_recalled = 0
-        self.t_select = self.t_recall = self.t_index = 0.0
-        self.t_decode = 0.0
-        self._t_step = None
 
     def is_anchor(self, index: int) -> bool:
         return index >= self.skip_layers and (index - self.skip_layers) % self.reuse_every == 0
@@ -292,13 +271,6 @@ class IceCache(Policy):
     def aux_bytes(self) -> tuple[int, int]:
         return self.staging.nbytes()
 
-    def end_step(self, logits=None):
-        now = time.perf_counter()
-        if self._t_step is not None:
-            self.t_decode += now - self._t_step  # the decode step just ended (prefill excluded)
-        self._t_step = now
-        return super().end_step(logits)
-
     def stats(self) -> dict:
         s = super().stats()
         ice = [layer for layer in self.layers if isinstance(layer, IceCacheLayer)]
@@ -313,10 +285,5 @@ class IceCache(Policy):
             "pages_recalled_per_step": self.pages_recalled / decode_steps if decode_steps else float(self.pages_recalled),
             "keys_scored_fraction": scored / searched if searched else float("nan"),
             "mean_page_fill": tokens / (pages * self.page_size) if pages else float("nan"),
-            "select_s": self.t_select,
-            "recall_s": self.t_recall,
-            "index_s": self.t_index,
-            "search_share": self.t_select / self.t_decode if self.t_decode else float("nan"),
-            "recall_share": self.t_recall / self.t_decode if self.t_decode else float("nan"),
         })
         return s

@@ -1,55 +1,36 @@
-"""The DCI tree of IceCache: one per KV head of a layer, over the keys that left the window.
+"""IceCache's index: a DCI tree per KV head over the keys that left the window (index, insert).
 
-IceCache (Mao, Wang, Ester, Li, "IceCache: Memory-Efficient KV-Cache Management for Long-Sequence
-LLMs", arXiv:2604.10539, 2026, an ICLR 2026 submission, https://arxiv.org/abs/2604.10539;
-Sec. 3.3 and 4.1, Appendix B, Algorithms 1-4)
-indexes keys with Multi-level DCI (M-DCI) and makes the tree's leaves its KV pages, so that a page
-holds keys that point the same way rather than 16 consecutive tokens.
+Mao, Wang, Ester, Li, "IceCache: Memory-Efficient KV-Cache Management for Long-Sequence LLMs",
+ICLR 2026 submission, arXiv:2604.10539, https://arxiv.org/abs/2604.10539 (Sec. 3.3, 4.1, App. B.1).
 
-Maximum inner product as nearest neighbour (Appendix B.1). With c >= every key's norm,
+  Eqs. 2-3, T_K / T_Q          DCIForest._project (u.T_K(k)), query_projection (u.T_Q(q)),
+                               _similarity (key to key, for parents)
+  Algorithm 2, DCI-INDEXING    DCIForest.build: levels, each point's parent, pages
+  Alg. 1 lines 26-36, insert   DCIForest.insert: a window page's keys into their parents' pages
+  Algorithms 3-4, the query    search.py (readable); search_fast.py, pages_fast.py (batched)
 
-    T_K(k) = [k / c, sqrt(1 - |k|^2 / c^2)]       (Eq. 2)      T_Q(q) = [q / |q|, 0]      (Eq. 3)
+With c >= every key's norm, T_K(k) = [k/c, sqrt(1 - |k|^2/c^2)] and T_Q(q) = [q/|q|, 0] are unit
+vectors and |T_Q(q) - T_K(k)|^2 = 2 - 2 q.k/(|q| c): the nearest key has the largest q.k. Between
+keys, 1/2 |T_K(a) - T_K(b)|^2 = 1 - sim(a, b)/c^2, sim(a, b) = a.b + sqrt(c^2-|a|^2) sqrt(c^2-|b|^2).
 
-are unit vectors and |T_Q(q) - T_K(k)|^2 = 2 - 2 q.k / (|q| c), so the key nearest the query is
-the key of largest q.k. Between two keys, 1/2 |T_K(a) - T_K(b)|^2 = 1 - sim(a, b) / c^2 with
-
-    sim(a, b) = a.b + sqrt(c^2 - |a|^2) sqrt(c^2 - |b|^2)
-
-(nearest key = largest sim). One random unit vector u in R^{D+1}, shared by every layer and head
-(the authors' code: m = 1 simple index, L = 1 composite index), orders the points by their
-projection u.T_K(k); DCI's lower bound on a distance is the gap between projections.
-
-c is the running maximum key norm of the tree (per KV head) and may grow as keys are inserted.
-Nothing stale survives a growth: projections are recomputed from u[:D].k and |k|^2 (kept per
-point) for the new c, parent search uses the current c, and the query's exact scores q.k do not
-depend on c at all.
-
-Levels (Algorithm 2, "promotion"): the authors' code promotes by a deterministic counter in token
-order rather than by sampling: point t (0-based, in insertion order) reaches level 2 when
-(t + 1) is a multiple of 100 (= 1 / 0.01), level 3 when a multiple of 100 * 5 (higher levels
-every 5th, 1 / 0.2), and so on. Each point lives on exactly one level; every point below the top
-level has as parent its nearest point one level up (largest sim, ties to the older point; found
-exactly: n_l x n_{l+1} similarities are cheap at these sizes, where the authors use a DCI query
-or an anchor shortcut); top-level points are children of the root.
-
-Pages (the tree's leaves, Sec. 4.1): the children of one parent (the root included), cut into
-runs of at most page_size in projection order at build time. Every token (every level) is in
-exactly one page. Insertion (Algorithm 1 lines 26-36) puts a new point into its parent's open
-(last) page, and opens a new page for that parent when it is full: pages never split, so no token
-ever moves. A point that opens a new top level becomes the parent of the old top level: the
-root's pages become its pages unchanged (their members keep their page), and it joins the root.
-
-Query (Algorithms 3 and 4): dci_search.py. Pages are taken in the order of their best scored
-key, the first `k` distinct ones (select_pages).
+Decisions (docs/design.md, "icecache"; the authors' M-DCI code where the paper is silent):
+  * one random unit vector u in R^{D+1} for every layer and head (m = 1 simple index, L = 1);
+  * c is the running maximum key norm per head; when it grows every projection is recomputed
+    from u[:D].k and |k|^2, so nothing stale survives (q.k itself does not depend on c);
+  * promotion by a deterministic counter in insertion order: point t reaches level 2 when t + 1
+    is a multiple of 100 (ratio 0.01), each higher level every 5th (0.2); one level per point;
+  * a point's parent is its nearest point one level up (largest sim, exactly; ties to the older);
+  * pages (the leaves) are runs of at most page_size children of one parent in projection order;
+    an inserted point goes to its parent's open page, a new page when full: no token ever moves.
+    A point that opens a new top level adopts the old top level and the root's pages unchanged.
 """
 from __future__ import annotations
 
 import torch
 
-from .. import hugepages
-from ..kernels.dci_scores.reference import stable_topk
-from .dci_pages import SlotMap, build_slot_map, select_pages_dense
-from .dci_search import CLOSEST, LevelLayout, build_layout, field_of_view, search, search_levels
+from ... import hugepages
+from .pages_fast import SlotMap, build_slot_map
+from .search_fast import LevelLayout, build_layout
 
 FIRST_PROMOTION = 100  # a point in 100 reaches level 2 (the authors' ratio_1 = 0.01)
 NEXT_PROMOTION = 5  # a level-l point in 5 reaches level l + 1 (ratio_2 = 0.2)
@@ -85,17 +66,6 @@ def random_direction(head_dim: int, seed: int = 0) -> torch.Tensor:
     return (u / u.norm()).float()
 
 
-def first_k_distinct(x: torch.Tensor, k: int, n_values: int) -> torch.Tensor:
-    """x (R, M) int64 values in [0, n_values) or -1 -> (R, k): each row's first k distinct values
-    in order of first appearance, -1 padded. (On Python lists: a GQA merge is a few dozen
-    numbers, where a tensor op costs more than the loop.)"""
-    out = []
-    for row in x.tolist():
-        seen = list(dict.fromkeys(v for v in row if 0 <= v < n_values))[:k]
-        out.append(seen + [-1] * (k - len(seen)))
-    return torch.tensor(out, dtype=torch.int64).view(x.shape[0], k)
-
-
 class DCIForest:
     """One DCI tree per KV head over the same tokens (their keys differ per head). Tree ids are
     insertion order: tree id t is the t-th key inserted. See the module docstring.
@@ -119,10 +89,9 @@ class DCIForest:
         # the index's keys, page-major: (H, max_pages P, D), a point's row its page's P rows plus its
         # slot. A point never changes page, so the rows never move; the eager search multiplies the
         # queries by every row at once and takes each page's best key as a max over P adjacent
-        # scores (dci_pages.select_pages_dense). Stored transposed, (H, D, rows), that product is
-        # a plain (G, D) x (D, rows) GEMM over contiguous rows, 1.3x faster than row-major when the
-        # keys come from memory (SmolLM2, 8k keys: 0.72 against 0.96 ms per layer). The Triton
-        # scorer gathers key rows, so it keeps them row-major.
+        # scores (pages_fast.select_pages). Stored transposed, (H, D, rows), that product is
+        # a plain (G, D) x (D, rows) GEMM over contiguous rows (docs/icecache_speed.md). The
+        # Triton scorer gathers key rows, so it keeps them row-major.
         rows = self.max_pages * P
         if backend == "eager":
             self.slot_keys = hugepages.empty((H, D, rows), torch.float32, "cpu").zero_().transpose(1, 2)
@@ -149,7 +118,7 @@ class DCIForest:
         self.open_page: list[dict[int, int]] = [{} for _ in range(H)]  # parent -> its open page
         self.scored = 0  # keys scored by searches, and the keys in the tree at each: stats
         self.searched = 0
-        self.exhaustive_choices = 0  # select_pages_dense's candidate bound failed: every page computed
+        self.exhaustive_choices = 0  # times pages_fast.select_pages's candidate bound failed
 
     # -- the MIPS transform (Eqs. 2-3) ---------------------------------------------------------
     def _project(self, uk: torch.Tensor, sq: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -172,6 +141,10 @@ class DCIForest:
     def rows_of(self, ids: torch.Tensor) -> torch.Tensor:
         """(H, m) the slot_keys row of tree ids (m,), placed in their pages: page P + slot."""
         return self.page_of[:, ids] * self.P + self.slot_of[:, ids]
+
+    def head_keys(self, h: int, ids: torch.Tensor) -> torch.Tensor:
+        """The keys of head h's tree ids (m,) -> (m, D) float32."""
+        return self.slot_keys[h, self.page_of[h, ids] * self.P + self.slot_of[h, ids]]
 
     def key_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The keys of tree ids (m,) (placed in their pages) -> (H, m, D) float32."""
@@ -327,9 +300,9 @@ class DCIForest:
         self.page_token[heads, pages, slots] = tokens
         self.fill[heads, pages] = slots + 1
 
-    # -- query (Algorithms 3 and 4) ----------------------------------------------------------------
+    # -- what the batched search keeps between queries (search_fast, pages_fast) -------------------
     def layout(self, level: int, prop: float, fov: int, batch: int) -> LevelLayout:
-        """The query-independent part of a level's search (dci_search.build_layout), kept until
+        """The query-independent part of a level's search (search_fast.build_layout), kept until
         an insertion or a growth of c (both change projections or nodes). After points joined
         the level and nothing else changed, they are merged into the kept one's order."""
         key = (level, prop, fov, batch)
@@ -341,7 +314,7 @@ class DCIForest:
         return lay
 
     def search_layouts(self, prop: float, fov: int, batch: int) -> tuple[list[LevelLayout], SlotMap]:
-        """The layouts of levels top .. 1 and the rows' SlotMap (dci_pages), kept as layout()."""
+        """The layouts of levels top .. 1 and the rows' SlotMap (pages_fast), kept as layout()."""
         kept = self._searches.get((prop, fov, batch))  # dropped whenever a layout changes
         if kept is None:
             layouts = [self.layout(level, prop, fov, batch) for level in range(self.top, 0, -1)]
@@ -358,48 +331,6 @@ class DCIForest:
             if key[0] == level:
                 self._joined.setdefault(key, []).append(run)
         self._searches = {}
-
-    def candidates(self, q: torch.Tensor, heads: torch.Tensor, fov: int, prop: float, batch: int = CLOSEST,
-                   dense: bool | None = None):
-        """The keys the tree search scores (dci_search.search): q (B, G, D), heads (B,) -> ids
-        (B, C) tree ids, -1 pad, and scores (B, G, C) float32, -inf where a query did not score."""
-        return search(self, q, heads, fov, prop, batch, dense)
-
-    def top_keys(self, q: torch.Tensor, heads: torch.Tensor, k: int, fov: int | None = None, prop: float = 0.8,
-                 batch: int = CLOSEST):
-        """The k keys of largest q.k the search finds: q (B, G, D) -> tree ids (B, G, k), -1 pad."""
-        ids, scores = self.candidates(q, heads, field_of_view(self.n) if fov is None else fov, prop, batch)
-        B, G, C = scores.shape
-        if C < k:
-            ids = torch.cat((ids, ids.new_full((B, k - C), -1)), 1)
-            scores = torch.cat((scores, scores.new_full((B, G, k - C), float("-inf"))), 2)
-        best = stable_topk(scores, k)  # (B, G, k)
-        found = ids[:, None].expand(B, G, -1).gather(2, best)
-        return torch.where(scores.gather(2, best) > float("-inf"), found, -1)
-
-    def select_pages(self, q: torch.Tensor, heads: torch.Tensor, k: int, fov: int | None = None, prop: float = 0.8,
-                     batch: int = CLOSEST, dense: bool | None = None):
-        """Algorithm 3: per query, the first k distinct pages in order of their best scored key,
-        i.e. the k pages of largest max q.k over the keys it scored (ties to the lower page).
-        q (B, G, D), heads (B,) (None: block b searches head b) -> pages (B, G, k) of the block's
-        head, -1 pad. dense (default with the eager backend): from one product with every key row
-        (dci_pages); otherwise the maxima of each level's scored keys (search_levels), the
-        reference: the same pages."""
-        B, G, _ = q.shape
-        if self.n == 0:
-            return torch.full((B, G, k), -1, dtype=torch.int64)
-        fov = field_of_view(self.n) if fov is None else fov
-        if self.backend == "eager" if dense is None else dense:
-            return select_pages_dense(self, q, heads, k, fov, prop, batch)
-        heads = torch.arange(self.H) if heads is None else heads
-        best = torch.full((B, G, self.max_pages + 1), float("-inf"))  # per page, its best scored key
-        for _, pages, scores in search_levels(self, q, heads, fov, prop, batch, dense=False):
-            best.scatter_reduce_(2, pages[:, None].expand(B, G, -1), scores, "amax")
-        best[:, :, self.max_pages] = float("-inf")
-        k_eff = min(k, self.max_pages)
-        top = stable_topk(best, k_eff)
-        out = torch.where(best.gather(2, top) > float("-inf"), top, -1)
-        return out if k_eff == k else torch.cat((out, out.new_full((B, G, k - k_eff), -1)), 2)
 
     # -- reading ---------------------------------------------------------------------------------
     def page_tokens(self, h: int, page: int) -> list[int]:

@@ -1,0 +1,153 @@
+"""FIND-PAGE-INDEX on the page-major key rows: the eager (CPU) default of IceCache's page choice.
+
+Mao, Wang, Ester, Li, "IceCache: Memory-Efficient KV-Cache Management for Long-Sequence LLMs",
+ICLR 2026 submission, arXiv:2604.10539, https://arxiv.org/abs/2604.10539 (Algorithms 3-4).
+
+The reference is search.py (query, then find_page_index): a query's pages are the k of largest
+max q.k over the keys its search scored, ties to the lower page. This fast form gets the same
+pages (tests/policies/test_dci.py) from the index's rows, stored page by page
+(DCIForest.slot_keys: row c P + s is page c's slot s):
+
+  1. S = q . every row, one product (B, G, rows); a page's P scores are adjacent.
+  2. search_fast.descend, scoring each level from S, gives per query and node the window of
+     layout positions it scores, [lo, lo + m), or none (a node not opened).
+  3. Upper bound: the max of a page's P scores, visited or not, is at least its visited max. The
+     C = 3k pages of largest bound are candidates; their visited max is exact (a row is visited
+     iff lo <= its layout position < lo + m). If the k-th best exact value beats the best bound
+     outside the candidates, no other page can enter; otherwise every page is computed.
+
+So each row is touched once in the product and once in a max over P adjacent scores; per-point
+work (gathers, masks) only for 3k pages (docs/icecache_speed.md has the timings).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .search_fast import NOT_OPENED, descend, in_window
+
+CANDIDATE_PAGES = 3  # candidate pages per selected page (C = 3 k)
+
+
+class SlotMap(NamedTuple):
+    """Per key row (H, rows), rows = the most pages of any head x P, for one set of search
+    parameters: what the visited test of a row needs, kept until a layout changes."""
+    info: torch.Tensor  # (H, 3, rows) int64: the row's node (numbered across levels from the top;
+    #                     n_nodes for an empty row), its position in its level's layout, and its
+    #                     node's window size m (LevelLayout.m)
+    empty_bias: torch.Tensor  # (H, 1, rows) float32: -inf for a slot that holds no key, else 0
+    n_nodes: int
+
+    def select(self, heads: torch.Tensor) -> "SlotMap":
+        return SlotMap(self.info.index_select(0, heads), self.empty_bias.index_select(0, heads), self.n_nodes)
+
+
+def build_slot_map(forest, layouts) -> SlotMap:
+    """layouts: the LevelLayouts of levels top .. 1 -> SlotMap."""
+    H, P = forest.H, forest.P
+    rows = max(forest.n_pages) * P
+    info = torch.zeros(H, 3, rows, dtype=torch.int64)
+    node, pos, m = info.unbind(1)
+    node.fill_(-1)
+    offset = 0
+    for lay in layouts:
+        n_l = lay.order.shape[1]
+        node.scatter_(1, lay.col, lay.node_of + offset)
+        pos.scatter_(1, lay.col, torch.arange(n_l).expand(H, n_l))
+        m.scatter_(1, lay.col, lay.m.gather(1, lay.node_of))
+        offset += lay.start.shape[1]
+    empty = node < 0
+    node[empty] = offset
+    return SlotMap(info, torch.zeros(H, 1, rows).masked_fill_(empty[:, None], float("-inf")), offset)
+
+
+def product_with_every_row(forest, qf: torch.Tensor, heads: torch.Tensor, same_heads: bool,
+                           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """qf (B, G, D) float32 -> (B, G, rows) q.k for every key row of the blocks' heads (empty rows
+    0), plus bias (B, 1, rows) if given (in the product's own pass: cheaper than a fill after it)."""
+    rows = max(forest.n_pages) * forest.P
+    keys = forest.slot_keys[:, :rows] if same_heads else forest.slot_keys.index_select(0, heads)[:, :rows]
+    if bias is None:
+        return torch.bmm(qf, keys.transpose(1, 2))
+    return torch.baddbmm(bias, qf, keys.transpose(1, 2))
+
+
+def window_starts_from_rows(forest, S: torch.Tensor, twice_pq: torch.Tensor, layouts, fov: int) -> torch.Tensor:
+    """search_fast.descend with each level's scores taken from S (B, G, rows) -> lo (B, G,
+    n_nodes + 1): per query and node (numbered as in SlotMap), its window start, NOT_OPENED
+    where it does not open the node (and for the empty rows' node)."""
+    B, G = twice_pq.shape[:2]
+
+    def score(lay, lo):  # the level's scores in layout order, what a query skips -inf
+        n_l = lay.order.shape[1]
+        s = S.gather(2, lay.col[:, None].expand(B, G, n_l))
+        return s.masked_fill_(~in_window(lay.pos_info[:, None], lo), float("-inf"))
+
+    starts = [lo for _, lo, _ in descend(forest, twice_pq, layouts, fov, score)]
+    return torch.cat(starts + [torch.full((B, G, 1), NOT_OPENED)], 2)
+
+
+def visited_page_max(S: torch.Tensor, lo: torch.Tensor, sm: SlotMap, pages: torch.Tensor, P: int) -> torch.Tensor:
+    """S (B, G, rows), lo (B, G, n_nodes + 1), pages (B, G, C) -> (B, G, C) each page's max q.k
+    over the keys the query scored, -inf where none."""
+    B, G, C = pages.shape
+    rows = (pages[..., None] * P + torch.arange(P)).view(B, G, 1, C * P)
+    info = sm.info[:, None].expand(B, G, 3, -1).gather(3, rows.expand(B, G, 3, C * P))  # (B, G, 3, C P)
+    scores = torch.where(in_window(info, lo), S.gather(2, rows.view(B, G, C * P)), float("-inf"))
+    return page_max(scores, P)
+
+
+def page_max(scores: torch.Tensor, P: int) -> torch.Tensor:
+    """scores (B, G, n P) -> (B, G, n) the max of each run of P (a max pool: on a CPU some 3x
+    faster than amax over a trailing dim of 16)."""
+    B, G, X = scores.shape
+    return torch.nn.functional.max_pool1d(scores.view(B * G, 1, X), P).view(B, G, X // P)
+
+
+def select_pages(forest, q: torch.Tensor, heads: torch.Tensor | None, k: int, fov: int, prop: float, batch: int,
+                 candidates: int = CANDIDATE_PAGES) -> torch.Tensor:
+    """search_fast.select_pages from one product with every row (see the module docstring):
+    q (B, G, D), heads (B,) or None for every head in order -> (B, G, k) pages, -1 pad."""
+    B, G, D = q.shape
+    P = forest.P
+    qf = q.float()
+    heads = torch.arange(forest.H) if heads is None else heads
+    same_heads = B == forest.H and torch.equal(heads, torch.arange(forest.H))  # the policy's case
+    layouts, sm = forest.search_layouts(prop, fov, batch)  # kept until the tree changes
+    if not same_heads:
+        layouts, sm = [lay.select(heads) for lay in layouts], sm.select(heads)
+    twice_pq = 2 * forest.query_projection(qf.reshape(B * G, D)).view(B, G, 1)  # 2 u.T_Q(q)
+    # (B, G, rows); empty slots -inf (never visited), added in the product: q.k + 0 is q.k
+    S = product_with_every_row(forest, qf, heads, same_heads, sm.empty_bias)
+    forest.searched += B * G * forest.n
+    lo = window_starts_from_rows(forest, S, twice_pq, layouts, fov)
+    n_pages = S.shape[2] // P
+    bound = page_max(S, P)  # a page's best key, visited or not: >= its visited max
+    C = min(n_pages, candidates * k)
+    if C < n_pages:
+        top = bound.topk(C + 1, dim=2)  # any order among equal bounds: only the values matter below
+        cand = top.indices[..., :C].sort(dim=2).values  # by page, for the ties
+        outside = top.values[..., C:]  # the best bound left out
+        pages, values = best_pages(visited_page_max(S, lo, sm, cand, P), cand, k)
+        if k <= C and bool(((outside < values[..., -1:]) | (outside == float("-inf"))).all()):
+            return finish(pages, values, k)
+        forest.exhaustive_choices += 1
+    every = torch.arange(n_pages).expand(B, G, n_pages)
+    return finish(*best_pages(visited_page_max(S, lo, sm, every, P), every, k), k)
+
+
+def best_pages(values: torch.Tensor, pages: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """values, pages (B, G, C), pages ascending -> (pages, values) (B, G, min(k, C)): the k
+    largest values, ties to the lower page (a stable sort)."""
+    top = values.sort(dim=2, descending=True, stable=True)
+    k = min(k, values.shape[2])
+    return pages.gather(2, top.indices[..., :k]), top.values[..., :k]
+
+
+def finish(pages: torch.Tensor, values: torch.Tensor, k: int) -> torch.Tensor:
+    """-1 where no key was scored, padded with -1 to k."""
+    out = pages.masked_fill(values == float("-inf"), -1)
+    if out.shape[2] < k:
+        out = torch.cat((out, out.new_full((*out.shape[:2], k - out.shape[2]), -1)), 2)
+    return out
