@@ -15,7 +15,7 @@ from minikv.kernels.attention_topk import reference as topk_reference
 from minikv.kernels.decode_attention import reference as attn_reference
 from minikv.models.attention import dense_attention
 from minikv.policies import make
-from minikv.policies.synckv_clusters import FORMAT, config_sha256
+from minikv.policies.synckv.clusters import FORMAT, config_sha256
 
 from ..fixtures import ITEMS_PROMPT, greedy_logits
 

@@ -6,7 +6,7 @@ https://openreview.net/forum?id=542c8KxeQt (no arXiv version, no public code).
 
 The idea: the KV heads of a layer attend to much the same tokens (intra-layer similarity), and
 the set they attend to drifts slowly (temporal locality). So an offline clustering (Sec. 4.1;
-synckv_clusters.py, `python -m minikv.bench cluster-heads`) groups each layer's KV heads into N_r
+synckv/clusters.py, `python -m minikv.bench cluster-heads`) groups each layer's KV heads into N_r
 clusters and names one representative head (R-head) per cluster. Then, per layer:
 
   prefill (Sec. 4.2, Algorithm 1 lines 9-17): dense attention over the prompt. R-heads keep their
@@ -50,13 +50,13 @@ import math
 
 import torch
 
-from .. import hugepages
-from ..kernels.attention_topk import attention_topk
-from ..kernels.decode_attention import decode_attention
-from ..kernels.gathered_attention import gathered_attention
-from .base import LayerKV, Policy, dense_attention, register
-from .synckv_bank import ContextBank
-from .synckv_clusters import find_clustering
+from ... import hugepages
+from ...kernels.attention_topk import attention_topk
+from ...kernels.decode_attention import decode_attention
+from ...kernels.gathered_attention import gathered_attention
+from ..base import LayerKV, Policy, dense_attention, register
+from .bank import ContextBank
+from .clusters import find_clustering
 
 
 class SyncKVLayer(LayerKV):

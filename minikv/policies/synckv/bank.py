@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import hugepages
+from ... import hugepages
 
 
 class ContextBank:
