@@ -24,18 +24,24 @@ prefill forward of its own), then the policies decode in lockstep, step t of eve
 t + 1 of any, each greedy on its own tokens. On a machine whose load changes during a run this
 keeps the TPOT ratios fair (every policy's step t runs within seconds of the others'), and it
 costs one long prefill instead of one per policy and repeat. TTFT is not per policy then ('-').
+
+Where decoding goes: for policies that choose and bring back KV (freekv, icecache), timers
+installed from outside (bench/probes.py) around each layer's `select` and its storage's `recall`
+give select_s and recall_s, and their shares of the decode time.
 """
 from __future__ import annotations
 
 import statistics
 import sys
 import time
+from contextlib import ExitStack, contextmanager
 
 import torch
 
 from ..generate import decode_bandwidth, decode_one_token, generate, weight_bytes_per_step
 from ..policies import make
 from .common import add_common_arguments, load_model, measure_read_bandwidth, print_table, text_ids, write_json
+from .probes import timed
 
 
 def add_arguments(p) -> None:
@@ -51,6 +57,35 @@ def add_arguments(p) -> None:
                    help="plot TPOT against prompt length, one line per policy (needs matplotlib)")
 
 
+def time_select_and_recall(policy, totals: dict, stack: ExitStack) -> None:
+    """Timers on a bound policy's layers' `select` and their storages' `recall` (where they have
+    them), until `stack` closes; seconds into totals["select"], totals["recall"]."""
+    stack.enter_context(timed(policy.layers, ["select"], totals))
+    stack.enter_context(timed([layer.kv for layer in policy.layers if hasattr(layer, "kv")], ["recall"], totals))
+
+
+@contextmanager
+def timers_once_bound(policy, totals: dict):
+    """`policy` (unbound) with time_select_and_recall installed when generate binds it."""
+    bind = policy.bind
+    with ExitStack() as stack:
+        def bind_and_time(*args, **kwargs):
+            out = bind(*args, **kwargs)
+            time_select_and_recall(policy, totals, stack)
+            return out
+        policy.bind = bind_and_time  # an instance attribute shadows the class's method
+        try:
+            yield policy
+        finally:
+            del policy.bind
+
+
+def add_timers(stats: dict, totals: dict) -> dict:
+    """select_s and recall_s from the timers, for a policy that has them."""
+    stats.update({f"{name}_s": seconds for name, seconds in totals.items()})
+    return stats
+
+
 def summarize(runs: list[dict], new_tokens: int) -> dict:
     """Medians over the timed runs of one policy at one prompt length."""
     return {
@@ -59,7 +94,7 @@ def summarize(runs: list[dict], new_tokens: int) -> dict:
         "device_tokens_peak": runs[-1]["device_tokens_peak"],
         "device_bytes": runs[-1]["device_bytes_allocated"],
         "bytes_per_token": runs[-1]["bytes_per_token"],
-        # policies that time their selection and recall (freekv) say what share of decoding it took
+        # policies that select and recall (freekv, icecache): the share of decoding it took
         "overhead_share": statistics.median(
             (r["select_s"] + r["recall_s"]) / (r["tpot_s"] * (new_tokens - 1)) for r in runs) if "select_s" in runs[-1] else None,
         # and each part on its own (the JSON rows): selection (a page-score pass, or a tree search) and recall
@@ -148,17 +183,21 @@ def lockstep_runs(model, ids: list[int], specs: list[str], new_tokens: int) -> d
     policies, token = lockstep_prefill(model, ids, specs, new_tokens)
     times = [[] for _ in specs]
     produced = [[int(t)] for t in token]
-    for step in range(new_tokens - 1):
-        position = torch.tensor([len(ids) + step], device=model.device)
-        for j, policy in enumerate(policies):
-            t0 = time.perf_counter()
-            out = decode_one_token(model, token[j], position, policy)
-            times[j].append(time.perf_counter() - t0)
-            token[j] = out.argmax(-1)
-            produced[j].append(int(token[j]))
+    totals = [{} for _ in specs]  # select and recall time of each policy's decode steps
+    with ExitStack() as stack:
+        for policy, spent in zip(policies, totals):
+            time_select_and_recall(policy, spent, stack)
+        for step in range(new_tokens - 1):
+            position = torch.tensor([len(ids) + step], device=model.device)
+            for j, policy in enumerate(policies):
+                t0 = time.perf_counter()
+                out = decode_one_token(model, token[j], position, policy)
+                times[j].append(time.perf_counter() - t0)
+                token[j] = out.argmax(-1)
+                produced[j].append(int(token[j]))
     found = {}
-    for spec, policy, ts, toks in zip(specs, policies, times, produced):
-        stats = policy.stats()
+    for spec, policy, ts, toks, spent in zip(specs, policies, times, produced, totals):
+        stats = add_timers(policy.stats(), spent)
         stats.update(ttft_s=float("nan"), tpot_s=sum(ts) / len(ts), token_ids=toks)
         stats.update(decode_bandwidth(weight_bytes_per_step(model) + stats["kv_bytes_read_per_step"], stats["tpot_s"]))
         found[spec] = stats
@@ -184,8 +223,11 @@ def run(args) -> int:
             for i in range(args.warmup + args.repeats):
                 for policy in policies:
                     print(f"prompt {n}, round {i + 1}/{args.warmup + args.repeats}: {policy}", file=sys.stderr)
-                    stats = generate(model, tokenizer, ids, policy=policy, max_new_tokens=args.new_tokens,
-                                     stop_at_eos=False).stats
+                    totals = {}
+                    with timers_once_bound(make(policy), totals) as bound_later:
+                        stats = generate(model, tokenizer, ids, policy=bound_later, max_new_tokens=args.new_tokens,
+                                         stop_at_eos=False).stats
+                    add_timers(stats, totals)
                     if i >= args.warmup:
                         runs[policy].append(stats)
         cells = []

@@ -35,6 +35,12 @@ page, so it reads between window + 1 and window + P recent tokens. `budget` is t
 KV head per layer that attention reads on the device, so budget = sink + window + P (the partial
 page) + P * (selected pages).
 
+Backends: `reference` runs every operation by its reference and reads the device pool by
+gathering its pages, then dense attention (kernels/paged_attention/reference.py); `eager` reads
+the pool in place (pool.pool_attention, the fast CPU form, tested against the reference);
+`triton` runs the kernels. The policy keeps no clock: bench speed times `select` and the
+storage's `recall` from outside (bench/probes.py).
+
 The digest. Post-RoPE keys of the fast-rotating channels sweep most of their range within a page,
 so Quest's min/max box is wide for every page and can hide the one page that matters; ArkVale's box
 (centre +- mean |k - centre|) is tighter and is what FreeKV's system code uses. The README's passkey

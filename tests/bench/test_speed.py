@@ -17,7 +17,7 @@ def test_policies_alternate_and_rows_report_each_policy(smollm2, tmp_path, monke
     real_generate = bench.generate
 
     def recording_generate(*a, policy, **kw):
-        order.append(policy)
+        order.append(policy.name)  # an unbound Policy (speed times its select and recall once bound)
         return real_generate(*a, policy=policy, **kw)
 
     monkeypatch.setattr(bench, "generate", recording_generate)
@@ -28,7 +28,7 @@ def test_policies_alternate_and_rows_report_each_policy(smollm2, tmp_path, monke
     args = parser.parse_args(["--prompt-lengths", "24", "--new-tokens", "6", "--repeats", "2", "--warmup", "1",
                               "--policy", window, "--policy", "full", "--json", str(out), "--png", str(png)])
     assert bench.run(args) == 0
-    assert order == [window, "full"] * 3  # one warm-up round, two timed rounds, policies in turn
+    assert order == ["streaming", "full"] * 3  # one warm-up round, two timed rounds, policies in turn
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert [r["policy"] for r in rows] == [window, "full"]
@@ -84,3 +84,37 @@ def test_lockstep_decodes_what_generate_decodes(smollm2):
         alone = generate(model, tok, ids, policy=spec, max_new_tokens=4, stop_at_eos=False)
         assert found[spec]["token_ids"] == alone.token_ids and found[spec]["tpot_s"] > 0
         assert found[spec]["bytes_per_token"] > 0 and found[spec]["bandwidth_gb_s"] > 0
+
+
+def test_select_and_recall_are_timed_from_outside_the_policy():
+    """freekv carries no clock: the benchmark's timers, installed when generate binds the policy,
+    time every layer's select and every storage's recall, and leave the methods as they were."""
+    from contextlib import ExitStack
+
+    from minikv.config import ModelConfig
+    from minikv.policies import make
+    from minikv.policies.freekv import FreeKVLayer
+
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=48, intermediate_size=64, n_layers=2,
+                      n_heads=6, n_kv_heads=3, head_dim=16, max_position_embeddings=4096, rotary_dim=8)
+    totals = {}
+    with bench.timers_once_bound(make("freekv:page_size=2,budget=12,sink=2,window=2"), totals) as policy:
+        policy.bind(cfg, device="cpu", dtype=torch.float32, max_len=60)
+        g = torch.Generator().manual_seed(0)
+        x = lambda H, T: torch.randn(1, H, T, cfg.head_dim, generator=g)
+        for layer in policy.layers:
+            layer.prefill(x(6, 30), x(3, 30), x(3, 30), None)
+        for _ in range(4):
+            for layer in policy.layers:
+                layer.decode(x(6, 1), x(3, 1), x(3, 1), None)
+    assert totals["select"] > 0 and totals["recall"] > 0
+    assert "select_s" not in policy.stats()  # the policy keeps no timers of its own
+    assert "bind" not in vars(policy) and all("select" not in vars(layer) and "recall" not in vars(layer.kv)
+                                               for layer in policy.layers if isinstance(layer, FreeKVLayer))
+    stats = bench.add_timers({}, totals)
+    assert stats == {"select_s": totals["select"], "recall_s": totals["recall"]}
+    with ExitStack() as stack:  # the lockstep path: on a bound policy
+        spent = {}
+        bench.time_select_and_recall(policy, spent, stack)
+        policy.layers[0].decode(x(6, 1), x(3, 1), x(3, 1), None)
+    assert spent["select"] > 0

@@ -173,6 +173,20 @@ def test_triton_backend_matches_oracle(case, tiny_clusters):
     run_against_oracle(case, tiny_clusters, backend="triton")
 
 
+@settings(max_examples=4)
+@given(case=synckv_cases())
+def test_reference_backend_matches_oracle_and_eager(case, tiny_clusters):
+    """backend=reference: every operation by its reference (what eager runs for synckv, whose
+    NR-heads read gathered slots, not a page pool): the oracle's reads, eager's fetches."""
+    from .test_freekv import accept_reference_backend
+    with pytest.MonkeyPatch.context() as mp:
+        accept_reference_backend(mp)
+        ref = run_against_oracle(case, tiny_clusters, backend="reference")
+    eager = run_against_oracle(case, tiny_clusters)
+    keys = ("tokens_fetched", "anticipation_steps", "bytes_to_device", "bytes_to_host", "device_tokens")
+    assert [ref.stats()[k] for k in keys] == [eager.stats()[k] for k in keys]
+
+
 def test_the_prompts_last_tokens_are_read_by_every_head_from_the_first_step(tiny_clusters):
     """The recent window starts in the prompt: at the first decode step the NR-heads read the
     prompt's last window - 1 tokens and the new one, from the device, besides I_0 (chosen among
