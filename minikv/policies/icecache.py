@@ -178,20 +178,7 @@ class IceCacheLayer(PagedLayer):
     def attended_indices(self) -> torch.Tensor | None:
         """(Hkv, n) int64 absolute token indices the last decode step's attention read per KV
         head (sink, selected pages, window), -1 pads; None before any decode step."""
-        if self._read is None:
-            return None
-        L, n_cand, held, lens = self._read
-        P, n_sink = self.kv.P, self.kv.n_sink
-        rows = []
-        for h in range(self.kv.Hkv):
-            toks = list(range(min(L, n_sink * P)))
-            for c, n in zip(held[h], lens[h]):
-                if c >= 0 and n:
-                    toks += [n_sink * P + t for t in self.forest.page_token[h, c, :n].tolist()]
-            toks += range((n_sink + n_cand) * P, L)
-            rows.append(toks)
-        width = max(len(r) for r in rows)
-        return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int64)
+        return None if self._read is None else self.kv.read_indices()  # pages' tokens: SemanticPages.page_tokens
 
     # -- accounting ------------------------------------------------------------------------------
     def allocated_host_tokens(self) -> int:
