@@ -30,7 +30,7 @@ from ..generate import generate
 from ..kernels.attention_topk import attention_topk
 from ..kernels.decode_attention import decode_attention
 from ..policies.full import Full, FullLayer
-from ..policies.synckv_clusters import SimilarityMeter, make_document, overlap, weights_sha256
+from ..policies.synckv.clusters import SimilarityMeter, make_document, overlap, weights_sha256
 from .common import add_common_arguments, load_model, long_text, print_table
 
 DRIFT_STEPS = (10, 50, 200)

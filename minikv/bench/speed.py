@@ -24,6 +24,10 @@ prefill forward of its own), then the policies decode in lockstep, step t of eve
 t + 1 of any, each greedy on its own tokens. On a machine whose load changes during a run this
 keeps the TPOT ratios fair (every policy's step t runs within seconds of the others'), and it
 costs one long prefill instead of one per policy and repeat. TTFT is not per policy then ('-').
+
+Where decoding goes: for policies that choose and bring back KV (freekv, icecache), timers
+installed from outside (bench/probes.py) around each layer's `select` and its storage's `recall`
+give select_s and recall_s, and their shares of the decode time.
 """
 from __future__ import annotations
 

@@ -35,6 +35,12 @@ page, so it reads between window + 1 and window + P recent tokens. `budget` is t
 KV head per layer that attention reads on the device, so budget = sink + window + P (the partial
 page) + P * (selected pages).
 
+Backends: `reference` runs every operation by its reference and reads the device pool by
+gathering its pages, then dense attention (kernels/paged_attention/reference.py); `eager` reads
+the pool in place (pool.pool_attention, the fast CPU form, tested against the reference);
+`triton` runs the kernels. The policy keeps no clock: bench speed times `select` and the
+storage's `recall` from outside (bench/probes.py).
+
 The digest. Post-RoPE keys of the fast-rotating channels sweep most of their range within a page,
 so Quest's min/max box is wide for every page and can hide the one page that matters; ArkVale's box
 (centre +- mean |k - centre|) is tighter and is what FreeKV's system code uses. The README's passkey
@@ -43,7 +49,6 @@ table measures both on SmolLM2: arkvale matches full KV where min/max misses key
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +57,8 @@ import torch.nn.functional as F
 from ..kernels.page_scores import GROUP_REDUCES, page_scores
 from .base import LayerKV, Policy, dense_attention, param, register
 from .full import FullLayer
-from .paged import DIGESTS, PagedKV, PagedLayer, Staging, check_page_geometry
+from .paged import DIGESTS, HostPages, PagedKV, PagedLayer, check_page_geometry
+from .pool import Staging, kernel_backend
 
 
 class FreeKVLayer(PagedLayer):
@@ -60,10 +66,12 @@ class FreeKVLayer(PagedLayer):
         super().__init__(policy, index)
         cfg, P = policy.cfg, policy.page_size
         self.K = policy.n_select
-        self.kv = PagedKV(n_kv=cfg.n_kv_heads, head_dim=cfg.head_dim, page_size=P, max_len=policy.max_len,
-                          n_sink=policy.sink // P, n_select=self.K, n_window=policy.window // P + 1,
-                          dtype=policy.dtype, tiers=policy.tiers, digest=policy.digest, backend=policy.backend,
-                          staging=policy.staging)
+        self.pages = HostPages(n_kv=cfg.n_kv_heads, head_dim=cfg.head_dim, page_size=P, max_len=policy.max_len,
+                               dtype=policy.dtype, tiers=policy.tiers, digest=policy.digest)
+        self.kv = PagedKV(candidates=self.pages, n_kv=cfg.n_kv_heads, head_dim=cfg.head_dim, page_size=P,
+                          max_len=policy.max_len, n_sink=policy.sink // P, n_select=self.K,
+                          n_window=policy.window // P + 1, dtype=policy.dtype, tiers=policy.tiers,
+                          backend=policy.backend, staging=policy.staging)
         self.G = cfg.n_heads // cfg.n_kv_heads
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.prev_q = None  # (Hq, D) the previous step's query, float32, each head of unit norm
@@ -71,23 +79,16 @@ class FreeKVLayer(PagedLayer):
     # -- selection ---------------------------------------------------------------------------
     def select(self, q: torch.Tensor) -> torch.Tensor:
         """Group-consistent top-K candidate pages per KV head for q (1, Hq, D) -> (Hkv, K), -1 pads."""
-        t0 = time.perf_counter()
-        kv, n = self.kv, self.kv.n_cand
+        pages, n = self.pages, self.kv.n_cand
         if n:
             k = min(self.K, n)
-            _, index = page_scores(q, kv.lo[:, :, :n], kv.hi[:, :, :n], kv.n_cand_tensor, k,
-                                   self.scale, self.policy.group_reduce, backend=self.policy.backend)  # (1, Hkv, k)
+            _, index = page_scores(q, pages.lo[:, :, :n], pages.hi[:, :, :n], pages.n_valid, k, self.scale,
+                                   self.policy.group_reduce, backend=kernel_backend(self.policy.backend))  # (1, Hkv, k)
             out = index[0] if k == self.K else F.pad(index[0], (0, self.K - k), value=-1)  # (Hkv, K)
             out = out.cpu()  # the bookkeeping is host-side: one small copy (and sync) on CUDA
         else:
-            out = torch.full((kv.Hkv, self.K), -1, dtype=torch.int64)
-        self.policy.t_select += time.perf_counter() - t0
+            out = torch.full((self.kv.Hkv, self.K), -1, dtype=torch.int64)
         return out
-
-    def recall(self, selection: torch.Tensor, heads=None, background=False) -> None:
-        t0 = time.perf_counter()
-        self.kv.recall(selection, heads, background)
-        self.policy.t_recall += time.perf_counter() - t0
 
     def _count_speculation(self, exact: torch.Tensor) -> None:
         # did the pages chosen with q_{t-1} (what the slots hold) equal those q_t chooses? A set
@@ -109,7 +110,7 @@ class FreeKVLayer(PagedLayer):
         self.kv.prefill(k, v)
         q_last = q[:, :, -1]  # (1, Hq, D)
         self.prev_q = self._unit(q_last) if self.policy.speculative else None
-        self.recall(self.select(q_last))  # the pages the first decode step will read
+        self.kv.recall(self.select(q_last))  # the pages the first decode step will read
         self.kv.pages_recalled = 0  # stats count recalls while decoding
         return out
 
@@ -125,21 +126,19 @@ class FreeKVLayer(PagedLayer):
         if not pol.speculative:  # Quest: select and recall on the critical path, every step
             if kv.n_cand:
                 exact = self.select(q1)
-                self.recall(exact)
+                kv.recall(exact)
         elif retrieving:
-            t0 = time.perf_counter()
             # correction signal, per KV head: C_m = mean_j cos(q_t, q_{t-1}) over the group
             sim = (q_unit * self.prev_q).sum(-1)  # (Hq,) cosine similarities
             corr = (sim.view(-1, self.G).sum(1) / self.G < pol.tau).tolist()  # (Hkv,) bools
             n_corr = sum(corr)
-            pol.t_select += time.perf_counter() - t0
             pol.head_steps += kv.Hkv
             if n_corr:
                 pol.corrected_heads += n_corr
                 pol.corrected_steps += 1
                 exact = self.select(q1)  # once for all KV heads
                 self._count_speculation(exact)
-                self.recall(exact, heads=corr)  # the drifted heads, before attention
+                kv.recall(exact, heads=corr)  # the drifted heads, before attention
                 later = [not c for c in corr]  # the others: they attend with the speculative pages first
         pol.layer_steps += 1
 
@@ -154,12 +153,12 @@ class FreeKVLayer(PagedLayer):
             if rolled:  # select again so that the new candidate competes too
                 exact, later = self.select(q1), None
             if exact is not None and (later is None or any(later)):
-                self.recall(exact, heads=later, background=True)
+                kv.recall(exact, heads=later, background=True)
         self.prev_q = q_unit
         return out
 
     def allocated_host_tokens(self) -> int:
-        return self.kv.max_pages * self.kv.P  # the host tier is preallocated for max_len
+        return self.pages.max_pages * self.kv.P  # the host tier is preallocated for max_len
 
     def aux_bytes(self) -> tuple[int, int]:
         return self.kv.aux_bytes()
@@ -208,11 +207,10 @@ class FreeKV(Policy):
     def reset_counters(self) -> None:
         self.layer_steps = self.head_steps = self.corrected_heads = self.corrected_steps = 0
         self.spec_equal = self.spec_compared = 0
-        self.t_select = self.t_recall = 0.0
 
     def make_layer(self, index: int) -> LayerKV:
         if index == 0:  # one pair of staging buffers for all layers (they recall one after another)
-            self.staging = Staging(self.cfg.n_kv_heads * self.n_select, self.page_size, self.cfg.head_dim,
+            self.staging = Staging((self.cfg.n_kv_heads * self.n_select, 2, self.page_size, self.cfg.head_dim),
                                    self.dtype, self.tiers)
         return FullLayer(self, index) if index < self.skip_layers else FreeKVLayer(self, index)
 
@@ -230,7 +228,5 @@ class FreeKV(Policy):
             "pages_recalled": recalled,
             "pages_recalled_per_step": recalled / decode_steps if decode_steps else float(recalled),
             "speculative_exact_rate": self.spec_equal / self.spec_compared if self.spec_compared else float("nan"),
-            "select_s": self.t_select,
-            "recall_s": self.t_recall,
         })
         return s

@@ -1,9 +1,11 @@
-"""The few CUDA stream calls the asynchronous recall path makes, behind one small object.
+"""The few CUDA stream calls the asynchronous copies between the tiers make, behind one small object.
 
-Policies that recall pages in the background (paged.py) talk to streams and events only through
-this interface, so that a test on a machine without a GPU can pass an object that records the
-order of operations instead (tests/policies/test_recall_order.py), and check that every copy into
-a slot is ordered after the previous one and before the attention that reads it.
+Tiers (base.py), which makes every copy between the tiers (freekv's and icecache's page
+recalls, synckv's bank fetches), talks to streams and events only through this interface, so
+that a test on a machine without a GPU can pass an object that records the order of operations
+instead (Tiers.use_streams; tests/policies/test_recall_order.py), and check that every copy into a
+pool is ordered after the previous one and before the attention that reads it, and that no
+staging buffer is refilled while a copy still reads it.
 
     streams.stream()        a new side stream
     streams.event()         a new event (record(stream), synchronize())

@@ -6,7 +6,7 @@ import pytest
 
 from minikv.bench.__main__ import main
 from minikv.cli import run_command
-from minikv.policies.synckv_clusters import DATA_DIR, FORMAT
+from minikv.policies.synckv.clusters import DATA_DIR, FORMAT
 
 SHIPPED = DATA_DIR / "synckv_smollm2.json"
 

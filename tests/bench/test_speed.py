@@ -86,23 +86,25 @@ def test_lockstep_decodes_what_generate_decodes(smollm2):
         assert found[spec]["bytes_per_token"] > 0 and found[spec]["bandwidth_gb_s"] > 0
 
 
-def test_icecache_select_and_recall_are_timed_from_outside(smollm2):
-    """icecache carries no clock (no perf_counter in its package); the speed benchmark times its
-    layers' select and its pages' recall with bench/probes.py, and reports their shares of
-    decoding, run by run and in lockstep."""
+@pytest.mark.parametrize("spec", ["icecache:budget=96", "freekv:budget=96"])
+def test_select_and_recall_are_timed_from_outside(smollm2, spec):
+    """icecache and freekv carry no clock (no perf_counter in their code); the speed benchmark
+    times their layers' select and their recall with bench/probes.py, and reports their shares
+    of decoding, run by run and in lockstep."""
     import pathlib
 
+    import minikv.policies.freekv as freekv
     import minikv.policies.icecache as icecache
     from minikv.bench.common import text_ids
 
-    sources = pathlib.Path(icecache.__file__).parent.glob("*.py")
+    sources = [pathlib.Path(freekv.__file__), *pathlib.Path(icecache.__file__).parent.glob("*.py")]
     assert not [p.name for p in sources if "perf_counter" in p.read_text()]
     model, tok = smollm2
     ids = text_ids(tok, 200)
-    stats = bench.timed_generate(model, tok, ids, "icecache:budget=96", 5)
+    stats = bench.timed_generate(model, tok, ids, spec, 5)
     assert stats["select_s"] > 0 and stats["recall_s"] > 0
     row = bench.summarize([stats], 5)
     assert 0 < row["select_share"] < 1 and 0 < row["recall_share"] < 1
     assert row["overhead_share"] == pytest.approx(row["select_share"] + row["recall_share"])
-    found = bench.lockstep_runs(model, ids, ["full", "icecache:budget=96"], 4)
-    assert found["icecache:budget=96"]["select_s"] > 0 and "select_s" not in found["full"]
+    found = bench.lockstep_runs(model, ids, ["full", spec], 4)
+    assert found[spec]["select_s"] > 0 and "select_s" not in found["full"]

@@ -108,6 +108,47 @@ def test_attention_topk_kernel_matches_reference(case):
             assert bool(keep[b][rows[:, 0], index[b][rows[:, 0], rows[:, 1]]].all())
 
 
+@settings(max_examples=6)
+@given(case=topk_cases(), max_row=st.sampled_from([16, 32, 64]))
+def test_kernel_splits_rows_longer_than_a_tile(case, max_row):
+    """A row longer than one register tile (max_row, small here so that the interpreter is quick;
+    MAX_ROW on a GPU) is split, its chunks' top k merged: the same selection as the reference."""
+    q, k, lse, n_valid, keep = make_inputs(case)
+    exp_scores, exp_index = attention_topk(q, k, lse, n_valid, keep, case["k_top"])
+    _, index = load_fused("attention_topk").attention_topk(q, k, lse, n_valid, keep, case["k_top"], max_row=max_row)
+    assert_same_selection(index.cpu(), exp_index.cpu(), exp_scores.cpu(), tol=1e-6)
+
+
+@settings(max_examples=10)
+@given(L=st.integers(1, 300), k_top=st.integers(1, 12), max_row=st.sampled_from([16, 32]), seed=st.integers(0, 2**16))
+def test_split_rows_keep_the_stable_order_exactly(L, k_top, max_row, seed):
+    """Chunked top-k on scores full of exact ties and -inf, across chunk boundaries: exactly the
+    reference's stable order (descending score, the lower token first), -1 for -inf."""
+    from minikv.kernels.attention_topk.reference import stable_topk
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, 4, (2, 3, L), generator=g).float()
+    scores[torch.rand(2, 3, L, generator=g) < 0.3] = float("-inf")
+    scores = scores.to(DEVICE)
+    got = load_fused("attention_topk").row_topk(scores, k_top, max_row)
+    assert torch.equal(got.cpu(), stable_topk(scores.cpu(), k_top))
+
+
+@pytest.mark.slow
+def test_kernel_handles_a_row_past_the_real_tile_limit():
+    """40,000 candidate tokens (SyncKV at a 40k context): more than MAX_ROW = 32,768."""
+    fused = load_fused("attention_topk")
+    L = fused.MAX_ROW + 7232
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 16, generator=g).to(DEVICE)
+    k = torch.randn(1, 1, L, 16, generator=g).to(DEVICE)
+    k[0, 0, L - 3] = q[0, 1] * 4  # the favourite sits in the second chunk
+    _, lse = decode_attention(q, k, k, torch.tensor([L], device=DEVICE), return_lse=True)
+    exp_scores, exp_index = attention_topk(q, k, lse, torch.tensor([L], device=DEVICE), None, 5)
+    _, index = fused.attention_topk(q, k, lse, torch.tensor([L], device=DEVICE), None, 5)
+    assert int(index[0, 0, 0]) == L - 3
+    assert_same_selection(index.cpu(), exp_index.cpu(), exp_scores.cpu(), tol=1e-6)
+
+
 def test_exact_ties_go_to_the_lower_token():
     """Two identical keys: same pooled score, bit for bit; both backends list the lower first."""
     q = torch.randn(1, 2, 16, device=DEVICE)

@@ -158,6 +158,27 @@ def test_group_consistent_selection_triton_backend_matches_oracle(case):
     run_against_oracle(case, backend="triton")
 
 
+def accept_reference_backend(mp):
+    """backend=reference (every operation by its reference; attention over the pool by gathering
+    its pages, then dense) in the spec, whether or not the spec parser lists it yet."""
+    import minikv.kernels as kernels
+    if "reference" not in kernels.BACKENDS:
+        mp.setattr(kernels, "BACKENDS", (*kernels.BACKENDS, "reference"))
+
+
+@settings(max_examples=8)
+@given(case=freekv_cases())
+def test_reference_backend_matches_oracle_and_eager(case):
+    """backend=reference reads the pool through the paged-attention reference (gather, dense),
+    eager through pool_attention: both match the oracle, and they choose and recall the same."""
+    with pytest.MonkeyPatch.context() as mp:
+        accept_reference_backend(mp)
+        ref = run_against_oracle(case, backend="reference")
+    eager = run_against_oracle(case)
+    keys = ("pages_recalled", "correction_rate", "device_tokens", "bytes_to_device")
+    assert [ref.stats()[k] for k in keys] == [eager.stats()[k] for k in keys]
+
+
 def test_mixed_correction_corrects_some_heads_and_not_others():
     """A fixed mixed case, so that the per-head path is exercised whatever hypothesis draws:
     over the run some KV heads are corrected and others keep their speculative pages."""

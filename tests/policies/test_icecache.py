@@ -68,16 +68,16 @@ def group_attention(q, keys, values, toks):
 
 def check_host_pages(layer, keys, values):
     """Every token that left the window sits in exactly one host page, bit for bit."""
-    kv, f = layer.kv, layer.forest
+    kv, f, pages = layer.kv, layer.forest, layer.kv.candidates
     P0, n_tree = kv.n_sink * kv.P, kv.n_cand * kv.P
     for h in range(kv.Hkv):
         seen = 0
         for p in range(f.n_pages[h]):
             toks = [t for t in f.page_tokens(h, p) if t < n_tree]
-            assert int(kv.fill[h, p]) == len(toks) <= kv.P
+            assert int(pages.fill[h, p]) == len(toks) <= kv.P
             idx = torch.tensor(toks, dtype=torch.int64) + P0
-            assert torch.equal(kv.host[p, h, 0, :len(toks)], keys[0, h, idx])
-            assert torch.equal(kv.host[p, h, 1, :len(toks)], values[0, h, idx])
+            assert torch.equal(pages.host[p, h, 0, :len(toks)], keys[0, h, idx])
+            assert torch.equal(pages.host[p, h, 1, :len(toks)], values[0, h, idx])
             seen += len(toks)
         assert seen == n_tree
 
@@ -88,24 +88,75 @@ def icecache_cases(draw):
     sink, window, select = draw(st.integers(0, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 4))
     return dict(P=P, sink=sink * P, window=window * P, budget=(sink + window + select) * P,
                 T=draw(st.integers(1, 120)), steps=draw(st.integers(1, 12)), reuse=draw(st.integers(1, 3)),
-                exhaustive=draw(st.booleans()), seed=draw(st.integers(0, 2**16)))
+                exhaustive=draw(st.booleans()), fov=draw(st.sampled_from([None, 1, 2])), seed=draw(st.integers(0, 2**16)))
 
 
 def spec_of(case, backend="eager"):
+    search = EXHAUSTIVE if case["exhaustive"] else f"fov={case['fov']}" if case.get("fov") else ""
     return (f"icecache:page_size={case['P']},budget={case['budget']},sink={case['sink']},window={case['window']},"
-            f"skip_layers=1,reuse_every={case['reuse']},backend={backend}" + (f",{EXHAUSTIVE}" if case["exhaustive"] else ""))
+            f"skip_layers=1,reuse_every={case['reuse']},backend={backend}" + (f",{search}" if search else ""))
 
 
-def run_against_oracle(case, backend="eager"):
+def check_slot_lengths_at_attention(layer, log):
+    """Wrap layer.kv.attend: when attention reads the pool, every selected slot's valid length is
+    its page's fill (0 when empty), whatever the last recall did (copied pages, or only dropped
+    some). Each recall is logged as (pages copied, slots emptied) into `log`."""
+    kv, attend, recall = layer.kv, layer.kv.attend, layer.kv.recall
+
+    def checked_attend(q):
+        held = kv.resident  # (Hkv, K)
+        fill = kv.candidates.fill.gather(1, held.clamp_min(0))
+        want = torch.where(held >= 0, fill, 0)
+        got = kv.pool.page_lens[0, :, kv.n_sink:kv.w0].to(torch.int64)
+        assert torch.equal(got, want), f"slot lengths {got.tolist()} != page fills {want.tolist()}"
+        return attend(q)
+
+    def logged_recall(selection, *args, **kwargs):
+        before = kv.resident >= 0
+        copied = recall(selection, *args, **kwargs)
+        log.append((copied, int((before & (kv.resident < 0)).sum())))
+        return copied
+
+    kv.attend, kv.recall = checked_attend, logged_recall
+
+
+def shrink_every_other_selection(layer):
+    """Wrap layer.select: every other call returns the previous selection with its second half
+    dropped, as a small field of view does on a long context when a search scores keys of fewer
+    pages than the step before. The recall then copies nothing and only empties slots."""
+    select, last, calls = layer.select, [None], [0]
+
+    def shrunk(q):
+        calls[0] += 1
+        if calls[0] % 2 == 0 and last[0] is not None:
+            out = last[0].clone()
+            out[:, (out.shape[1] + 1) // 2:] = -1
+        else:
+            out = select(q)
+        last[0] = out
+        return out
+
+    layer.select = shrunk
+
+
+def run_against_oracle(case, backend="eager", recalls=None):
     policy = make(spec_of(case, backend)).bind(TINY, device="cpu", dtype=torch.float32, max_len=160)
+    recalls = [] if recalls is None else recalls
+    for layer in policy.layers[1:]:  # skip_layers=1
+        check_slot_lengths_at_attention(layer, recalls)
+        if case.get("shrink"):
+            shrink_every_other_selection(layer)
     g = torch.Generator().manual_seed(case["seed"])
     n = TINY.n_layers
-    keys, values = [None] * n, [None] * n
+    keys, values, last_q = [None] * n, [None] * n, [None] * n
     for step in range(case["steps"] + 1):
         T = case["T"] if step == 0 else 1
         selected = {}  # anchor layer -> the pages its exhaustive search selects this step
         for i, layer in enumerate(policy.layers):
             q = torch.randn(1, TINY.n_heads, T, TINY.head_dim, generator=g)
+            if step > 1 and case.get("drift") is not None:  # a query that barely moves from the last step's
+                q = last_q[i] + case["drift"] * q
+            last_q[i] = q
             k = torch.randn(1, TINY.n_kv_heads, T, TINY.head_dim, generator=g)
             v = torch.randn(1, TINY.n_kv_heads, T, TINY.head_dim, generator=g)
             keys[i] = k if step == 0 else torch.cat((keys[i], k), 2)
@@ -153,6 +204,19 @@ def test_gqa_merge_budget_sink_window_hold(case):
 def test_gqa_merge_triton_backend(case):
     case.update(steps=min(case["steps"], 2), T=min(case["T"], 30))
     run_against_oracle(case, backend="triton")
+
+
+@pytest.mark.parametrize("fov", [1, 2])
+def test_slot_lengths_equal_page_fills_when_a_recall_only_drops_pages(fov):
+    """When the selection shrinks between steps (a small field of view on a long context: the
+    search scores keys of fewer pages), a recall drops pages and copies none: the slots it keeps
+    must still read their partly filled pages' true counts, not page_size."""
+    recalls = []
+    for seed in range(3):
+        case = dict(P=4, sink=4, window=4, budget=4 * 6, T=100, steps=12, reuse=1, exhaustive=False, fov=fov,
+                    shrink=True, seed=seed)
+        run_against_oracle(case, recalls=recalls)
+    assert any(copied == 0 and emptied for copied, emptied in recalls)  # the path was taken
 
 
 def test_reuse_layers_share_the_anchor_tree_and_selection():

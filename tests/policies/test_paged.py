@@ -8,14 +8,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minikv.policies.base import Tiers
-from minikv.policies.paged import PagedKV, page_digest
+from minikv.policies.paged import HostPages, PagedKV, page_digest
 
 H, D = 2, 8
 
 
 def make_store(P=4, n_sink=1, n_select=2, n_window=2, max_len=200, digest="minmax"):
-    return PagedKV(n_kv=H, head_dim=D, page_size=P, max_len=max_len, n_sink=n_sink, n_select=n_select,
-                   n_window=n_window, dtype=torch.float32, tiers=Tiers("cpu"), digest=digest)
+    tiers = Tiers("cpu")
+    pages = HostPages(n_kv=H, head_dim=D, page_size=P, max_len=max_len, dtype=torch.float32, tiers=tiers, digest=digest)
+    return PagedKV(candidates=pages, n_kv=H, head_dim=D, page_size=P, max_len=max_len, n_sink=n_sink,
+                   n_select=n_select, n_window=n_window, dtype=torch.float32, tiers=tiers)
 
 
 def tokens(T, seed):
@@ -30,23 +32,24 @@ def check_layout(store, k, v):
     for p in range(min(n_pages, store.n_sink)):
         s = store.slot_of(p)
         n = min(P, L - p * P)
-        assert store.page_lens[0, :, s].tolist() == [n] * H
-        assert torch.equal(store.k_pages[s, :n], k[0, :, p * P:p * P + n].transpose(0, 1))
+        assert store.pool.page_lens[0, :, s].tolist() == [n] * H
+        assert torch.equal(store.pool.k_pages[s, :n], k[0, :, p * P:p * P + n].transpose(0, 1))
     first_window = store.n_sink + store.n_cand
     assert n_pages - first_window <= store.n_window  # the window never outgrows its ring
     for p in range(first_window, n_pages):
         s = store.slot_of(p)
         n = min(P, L - p * P)
-        assert store.page_lens[0, :, s].tolist() == [n] * H  # the partly filled last page: n < P
-        assert torch.equal(store.k_pages[s, :n], k[0, :, p * P:p * P + n].transpose(0, 1))
-        assert torch.equal(store.v_pages[s, :n], v[0, :, p * P:p * P + n].transpose(0, 1))
+        assert store.pool.page_lens[0, :, s].tolist() == [n] * H  # the partly filled last page: n < P
+        assert torch.equal(store.pool.k_pages[s, :n], k[0, :, p * P:p * P + n].transpose(0, 1))
+        assert torch.equal(store.pool.v_pages[s, :n], v[0, :, p * P:p * P + n].transpose(0, 1))
     for c in range(store.n_cand):
         p = store.n_sink + c
-        hk, hv = store.host_page(c)  # (H, P, D): one contiguous HND block per head
+        pages = store.candidates
+        hk, hv = pages.host[c, :, 0], pages.host[c, :, 1]  # (H, P, D): one contiguous HND block per head
         assert torch.equal(hk, k[0, :, p * P:(p + 1) * P]) and torch.equal(hv, v[0, :, p * P:(p + 1) * P])
-        assert store.host[c, 0].is_contiguous()
-        lo, hi = page_digest(hk[None], store.digest)
-        assert torch.equal(store.lo[0, :, c], lo[0]) and torch.equal(store.hi[0, :, c], hi[0])
+        assert pages.host[c, 0].is_contiguous()
+        lo, hi = page_digest(hk[None], pages.digest)
+        assert torch.equal(pages.lo[0, :, c], lo[0]) and torch.equal(pages.hi[0, :, c], hi[0])
     assert store.device_tokens() <= (store.n_sink + store.n_select + store.n_window) * P
 
 
@@ -76,10 +79,10 @@ def test_prefill_equals_token_by_token(T, P, n_window, seed):
         b.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
         b.roll()
     assert (a.length, a.n_cand) == (b.length, b.n_cand)
-    assert torch.equal(a.page_lens, b.page_lens)
-    assert torch.equal(a.host[:a.n_cand], b.host[:b.n_cand])
-    for s, n in enumerate(a.page_lens[0, 0].tolist()):  # valid tokens only: past them a slot holds stale data
-        assert torch.equal(a.k_pages[s, :n], b.k_pages[s, :n]) and torch.equal(a.v_pages[s, :n], b.v_pages[s, :n])
+    assert torch.equal(a.pool.page_lens, b.pool.page_lens)
+    assert torch.equal(a.candidates.host[:a.n_cand], b.candidates.host[:b.n_cand])
+    for s, n in enumerate(a.pool.page_lens[0, 0].tolist()):  # valid tokens only: past them a slot holds stale data
+        assert torch.equal(a.pool.k_pages[s, :n], b.pool.k_pages[s, :n]) and torch.equal(a.pool.v_pages[s, :n], b.pool.v_pages[s, :n])
 
 
 def test_arkvale_digest_is_a_box_around_the_centre():
@@ -109,12 +112,12 @@ def test_recall_is_incremental_and_fills_dropped_slots():
         for j, c in enumerate(store.resident[h].tolist()):
             s = store.n_sink + j
             if c < 0:
-                assert store.page_lens[0, h, s] == 0
+                assert store.pool.page_lens[0, h, s] == 0
                 continue
             p = store.n_sink + c
-            assert store.page_lens[0, h, s] == P
-            assert torch.equal(store.k_pages[s, :, h], k[0, h, p * P:(p + 1) * P])
-            assert torch.equal(store.v_pages[s, :, h], v[0, h, p * P:(p + 1) * P])
+            assert store.pool.page_lens[0, h, s] == P
+            assert torch.equal(store.pool.k_pages[s, :, h], k[0, h, p * P:(p + 1) * P])
+            assert torch.equal(store.pool.v_pages[s, :, h], v[0, h, p * P:(p + 1) * P])
     # only some heads: head 1 keeps its pages whatever the selection says for it
     assert store.recall(torch.tensor([[9, 7, 5], [11, 12, 13]]), heads=torch.tensor([False, False])) == 0
 
@@ -130,7 +133,7 @@ def test_attend_reads_the_pool_as_the_page_table_says(P, S, G, seed):
     paged_attention reference, which gathers what the table lists: partly filled and unused slots
     masked per KV head, whatever the hidden slots hold."""
     from minikv.kernels.paged_attention import paged_attention
-    from minikv.policies.paged import pool_attention
+    from minikv.policies.pool import pool_attention
     g = torch.Generator().manual_seed(seed)
     k, v = torch.randn(S, P, H, D, generator=g), torch.randn(S, P, H, D, generator=g)
     lens = torch.randint(0, P + 1, (1, H, S), generator=g, dtype=torch.int32)

@@ -15,7 +15,7 @@ from minikv.kernels.attention_topk import reference as topk_reference
 from minikv.kernels.decode_attention import reference as attn_reference
 from minikv.models.attention import dense_attention
 from minikv.policies import make
-from minikv.policies.synckv_clusters import FORMAT, config_sha256
+from minikv.policies.synckv.clusters import FORMAT, config_sha256
 
 from ..fixtures import ITEMS_PROMPT, greedy_logits
 
@@ -171,6 +171,20 @@ def test_anticipation_every_m_steps_suspension_reads_the_last_choice_and_moves_n
 def test_triton_backend_matches_oracle(case, tiny_clusters):
     case.update(steps=min(case["steps"], 5), T=min(case["T"], 20))
     run_against_oracle(case, tiny_clusters, backend="triton")
+
+
+@settings(max_examples=4)
+@given(case=synckv_cases())
+def test_reference_backend_matches_oracle_and_eager(case, tiny_clusters):
+    """backend=reference: every operation by its reference (what eager runs for synckv, whose
+    NR-heads read gathered slots, not a page pool): the oracle's reads, eager's fetches."""
+    from .test_freekv import accept_reference_backend
+    with pytest.MonkeyPatch.context() as mp:
+        accept_reference_backend(mp)
+        ref = run_against_oracle(case, tiny_clusters, backend="reference")
+    eager = run_against_oracle(case, tiny_clusters)
+    keys = ("tokens_fetched", "anticipation_steps", "bytes_to_device", "bytes_to_host", "device_tokens")
+    assert [ref.stats()[k] for k in keys] == [eager.stats()[k] for k in keys]
 
 
 def test_the_prompts_last_tokens_are_read_by_every_head_from_the_first_step(tiny_clusters):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from minikv.config import ModelConfig
-from minikv.policies.synckv_clusters import (SimilarityMeter, cluster_layer, find_clustering, kmeans, make_document,
+from minikv.policies.synckv.clusters import (SimilarityMeter, cluster_layer, find_clustering, kmeans, make_document,
                                              overlap, weights_sha256)
 
 

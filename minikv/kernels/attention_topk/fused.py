@@ -7,8 +7,10 @@ Two launches:
      largest over the group (App. B.1's max-pool): each key is read once for the whole group.
      Tokens past n_valid or not kept are written as -inf.
   2. `_topk_kernel`, grid (B, Hkv): holds a head's pooled row in one register tile (BLOCK_L =
-     next power of 2 >= L_cap, at most 32768 tokens) and takes k_top rounds of "largest score,
+     next power of 2 >= L_cap, at most MAX_ROW tokens) and takes k_top rounds of "largest score,
      lowest token among equals", i.e. a stable descending sort cut at k_top, as the reference.
+     A longer row is split into chunks of MAX_ROW tokens, each chunk's top k_top found alone, and
+     the chunks' winners, put back in token order, compete again (`row_topk`).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import triton.language as tl
 from .. import empty, triton_interpreted
 from .._triton import LOG2E
 from .._triton import dot as _dot
+from .reference import stable_topk
 
 
 @triton.jit
@@ -74,7 +77,35 @@ def _topk_kernel(scores_ptr, index_ptr, L_cap, K, ssb, ssh, sib, sih, BLOCK_L: t
         work = tl.where(n == pick, float("-inf"), work)
 
 
-def attention_topk(q, k, lse, n_valid, keep, k_top, scale=None):
+MAX_ROW = 32768  # the longest row one register tile of _topk_kernel holds
+
+
+def row_topk(scores, k_top, max_row=MAX_ROW):
+    """scores (B, H, L) float32 -> (B, H, k_top) int64: each row's stable descending top k_top
+    (equal scores: the lower token first), -1 where the score is -inf. A row longer than max_row:
+    the k_top best of a row are among the k_top best of each of its chunks, and with the chunks'
+    winners kept in token order the lower token still wins a tie; the winners then compete as a
+    shorter row (at most half as long when k_top <= max_row / 2)."""
+    B, H, L = scores.shape
+    if L <= max_row:
+        index = torch.full((B, H, k_top), -7, dtype=torch.int64, device=scores.device)  # -7: never written
+        _topk_kernel[(B, H)](scores, index, L, k_top, scores.stride(0), scores.stride(1),
+                             index.stride(0), index.stride(1), BLOCK_L=max(16, triton.next_power_of_2(L)))
+        return index
+    if 2 * k_top > max_row:  # the chunks' winners would be no shorter than the row: sort it whole
+        return stable_topk(scores, k_top)
+    winners = []
+    for a in range(0, L, max_row):
+        local = row_topk(scores[:, :, a:a + max_row], k_top, max_row)  # (B, H, k_top), -1 pads
+        winners.append(torch.where(local >= 0, local + a, -1))
+    tokens = torch.cat(winners, dim=2)
+    tokens = tokens.masked_fill(tokens < 0, L).sort(dim=2).values  # token order, pads (L) last
+    cand = scores.gather(2, tokens.clamp_max(L - 1)).masked_fill(tokens == L, float("-inf"))
+    pick = row_topk(cand.contiguous(), k_top, max_row)  # positions among the winners
+    return torch.where(pick >= 0, tokens.gather(2, pick.clamp_min(0)), -1)
+
+
+def attention_topk(q, k, lse, n_valid, keep, k_top, scale=None, max_row=MAX_ROW):
     assert q.dim() == 3 and k.dim() == 4, f"want q (B, Hq, D), k (B, Hkv, L, D); got {tuple(q.shape)}, {tuple(k.shape)}"
     B, Hq, D = q.shape
     _, Hkv, L_cap, _ = k.shape
@@ -87,10 +118,8 @@ def attention_topk(q, k, lse, n_valid, keep, k_top, scale=None):
     assert q.stride(-1) == k.stride(-1) == 1, "the head dim must be contiguous"
     assert q.device == k.device == lse.device == n_valid.device, "all tensors on one device"
     assert q.is_cuda or triton_interpreted(), "triton backend: tensors must be on a CUDA device"
-    assert L_cap <= 32768, f"one register tile holds a head's row: L_cap = {L_cap} is too long"
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
     scores = empty((B, Hkv, L_cap), torch.float32, q.device)
-    index = torch.full((B, Hkv, k_top), -7, dtype=torch.int64, device=q.device)  # -7: never written
     G = Hq // Hkv
     block_n = 64
     keep_arg = keep.view(torch.uint8) if keep is not None else scores  # any pointer when unused
@@ -105,6 +134,4 @@ def attention_topk(q, k, lse, n_valid, keep, k_top, scale=None):
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOT=triton_interpreted() and q.dtype == torch.bfloat16,
     )
-    _topk_kernel[(B, Hkv)](scores, index, L_cap, k_top, scores.stride(0), scores.stride(1),
-                           index.stride(0), index.stride(1), BLOCK_L=max(16, triton.next_power_of_2(L_cap)))
-    return scores, index
+    return scores, row_topk(scores, k_top, max_row)

@@ -35,37 +35,35 @@ import torch
 from ...kernels import check_backend
 from ..base import LayerKV, Policy, dense_attention, param, register
 from ..full import FullLayer
-from ..paged import PagedKV, PagedLayer, Staging, check_page_geometry
+from ..paged import PagedKV, PagedLayer, check_page_geometry
+from ..pool import Staging
 from . import pages_fast, search_fast
 from .search import CLOSEST, field_of_view, merge_group, page_select
 from .tree import FIRST_PROMOTION, DCIForest, random_direction
 
 
-class SemanticPages(PagedKV):
-    """PagedKV whose candidate pages are a DCI forest's leaves instead of consecutive runs.
+class SemanticPages:
+    """icecache's candidate store: the pages are a DCI forest's leaves, not consecutive runs.
 
-    The sink and window pages, the device pool, the page table and the incremental recall are
-    PagedKV's. Tokens that leave the window go into the forest's pages: host (max_pages, Hkv, 2,
-    P, D), page c of KV head m at host[c, m] (HND, one contiguous block per page and head, so a
-    recall copies whole blocks). fill (Hkv, max_pages): tokens this layer has written into each
+    Tokens that leave the window go into the forest's pages: host (max_pages, Hkv, 2, P, D), page c
+    of KV head m at host[c, m] (HND, one contiguous block per page and head, as paged.HostPages, so
+    a recall copies whole blocks). fill (Hkv, max_pages): tokens this layer has written into each
     page; the slots of a selected page read exactly that many (partly filled pages are masked)."""
 
-    def __init__(self, *, forest: DCIForest, owner: bool, **kw):
-        super().__init__(digest="minmax", **kw)
-        self.forest, self.owner = forest, owner
-        H, P, D = self.Hkv, self.P, self.D
-        self.host = torch.zeros(forest.max_pages, H, 2, P, D, dtype=self.k_pages.dtype, pin_memory=self.tiers.pin)
-        self.lo = self.hi = None  # no digests: the tree is the index
+    def __init__(self, *, forest: DCIForest, owner: bool, page_size: int, dtype: torch.dtype, tiers):
+        self.forest, self.owner, self.P, self.tiers = forest, owner, page_size, tiers
+        H, P, D = forest.H, page_size, forest.D
+        self.host = torch.zeros(forest.max_pages, H, 2, P, D, dtype=dtype, pin_memory=tiers.pin)
         self.fill = torch.zeros(H, forest.max_pages, dtype=torch.int64)
-        self.lens_stale = False
 
-    def _offload(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        # k, v (n, P, Hkv, D) NHD pages leaving the window: into the tree (an anchor layer), then
-        # each token into its page on the host, bit for bit
+    def offload(self, k: torch.Tensor, v: torch.Tensor, first: int) -> list[set[int]]:
+        """k, v (n, P, Hkv, D) NHD pages leaving the window, candidates first.. : into the tree (an
+        anchor layer), then each token into its page on the host, bit for bit. -> per KV head,
+        the pages that grew (stale wherever they are resident)."""
         n, P, H, D = k.shape
-        m, a = n * P, self.n_cand * self.P  # tree ids a .. a + m - 1 (token n_sink P + t)
-        keys = k.permute(2, 0, 1, 3).reshape(H, m, D).to("cpu")  # (Hkv, m, D) in token order, on the host
-        vals = v.permute(2, 0, 1, 3).reshape(H, m, D).to("cpu")
+        m, a = n * P, first * P  # tree ids a .. a + m - 1 (token n_sink P + t)
+        keys = self.tiers.to_host(k.permute(2, 0, 1, 3).reshape(H, m, D), fresh=True)  # (Hkv, m, D) in token order
+        vals = self.tiers.to_host(v.permute(2, 0, 1, 3).reshape(H, m, D), fresh=True)
         if self.owner:
             if self.forest.n != a:
                 raise RuntimeError(f"tree holds {self.forest.n} keys, layer offloads from {a}")
@@ -80,36 +78,21 @@ class SemanticPages(PagedKV):
         flat = self.host.view(-1, D)
         flat.index_copy_(0, row, keys.reshape(-1, D).to(flat.dtype))
         flat.index_copy_(0, row + P, vals.reshape(-1, D).to(flat.dtype))  # the values follow the keys
-        self.tiers.bytes_to_host += 2 * keys.numel() * keys.element_size()
         self.fill.view(-1).index_add_(0, (head * self.forest.max_pages + page).reshape(-1),
                                       torch.ones(H * m, dtype=torch.int64))
-        self._invalidate(page)
-        self.n_cand += n
+        return [set(row) for row in page.tolist()]
 
-    def _invalidate(self, page: torch.Tensor) -> None:
-        # pages that just grew are stale on the device: empty their slots, the next recall
-        # copies them again (page (Hkv, m) pages written per head)
-        for h, row in enumerate(page.tolist()):
-            grown = set(row)
-            for j, c in enumerate(self.held[h]):
-                if c in grown:
-                    self.held[h][j] = -1
-                    self.lens_stale = True
+    def lens(self, held: list[list[int]]) -> list[list[int]]:
+        """Valid tokens of each held page (-1: none): its fill."""
+        held_t = torch.tensor(held, dtype=torch.int64)
+        return torch.where(held_t >= 0, self.fill.gather(1, held_t.clamp_min(0)), 0).tolist()
 
-    def recall(self, selection: torch.Tensor, heads=None, background: bool = False) -> int:
-        """PagedKV's incremental recall of `selection` (Hkv, n_select) page ids, then each selected
-        slot's valid count from this layer's fills."""
-        moved = super().recall(selection, heads, background)
-        if moved or self.lens_stale:
-            held = self.resident
-            lens = torch.where(held >= 0, self.fill.gather(1, held.clamp_min(0)), 0)
-            self.page_lens[0, :, self.n_sink:self.w0].copy_(lens)
-            self.lens_stale = False
-        return moved
+    def page_tokens(self, h: int, c: int, n: int, first_token: int) -> list[int]:
+        """The absolute indices of page c's first n tokens (of KV head h)."""
+        return [first_token + t for t in self.forest.page_token[h, c, :n].tolist()]
 
-    def device_tokens(self) -> float:
-        selected = float(self.page_lens[0, :, self.n_sink:self.w0].sum()) / self.Hkv
-        return self.length - self.n_cand * self.P + selected
+    def aux_bytes(self) -> tuple[int, int]:
+        return 0, self.fill.numel() * self.fill.element_size()
 
 
 class IceCacheLayer(PagedLayer):
@@ -123,11 +106,12 @@ class IceCacheLayer(PagedLayer):
         else:
             self.forest = anchor.forest
         self.K = policy.n_select
-        self.kv = SemanticPages(forest=self.forest, owner=anchor is None, n_kv=cfg.n_kv_heads,
-                                head_dim=cfg.head_dim, page_size=P, max_len=policy.max_len,
-                                n_sink=policy.sink // P, n_select=self.K, n_window=policy.window // P,
-                                dtype=policy.dtype, tiers=policy.tiers, backend=policy.backend,
-                                staging=policy.staging)
+        pages = SemanticPages(forest=self.forest, owner=anchor is None, page_size=P, dtype=policy.dtype,
+                              tiers=policy.tiers)
+        self.kv = PagedKV(candidates=pages, n_kv=cfg.n_kv_heads, head_dim=cfg.head_dim, page_size=P,
+                          max_len=policy.max_len, n_sink=policy.sink // P, n_select=self.K,
+                          n_window=policy.window // P, dtype=policy.dtype, tiers=policy.tiers,
+                          backend=policy.backend, staging=policy.staging)
         self.G = cfg.n_heads // cfg.n_kv_heads
         self.selection = None  # (Hkv, K) page ids read by the last decode step, -1 pads
         self._read = None  # what the last decode step's attention read, for attended_indices
@@ -169,38 +153,22 @@ class IceCacheLayer(PagedLayer):
             self.selection = self.select(q1) if self.anchor is None else self.anchor.selection
             pol.pages_recalled += kv.recall(self.selection)
         out = kv.attend(q1)[:, :, None]  # (1, Hq, 1, D)
-        self._read = (*kv.last_read, kv.page_lens[0, :, kv.n_sink:kv.w0].clone())  # attend's record, and the fills
+        self._read = kv.last_read  # attend's record: length, candidates, held pages and their fills
         kv.roll()  # a full window page leaves: its tokens into the tree (insert) and the host pages
         return out
 
     def attended_indices(self) -> torch.Tensor | None:
         """(Hkv, n) int64 absolute token indices the last decode step's attention read per KV
         head (sink, selected pages, window), -1 pads; None before any decode step."""
-        if self._read is None:
-            return None
-        L, n_cand, held, lens = self._read
-        P, n_sink = self.kv.P, self.kv.n_sink
-        rows = []
-        for h in range(self.kv.Hkv):
-            toks = list(range(min(L, n_sink * P)))
-            for c, n in zip(held[h], lens[h].tolist()):
-                if c >= 0 and n:
-                    toks += [n_sink * P + t for t in self.forest.page_token[h, c, :n].tolist()]
-            toks += range((n_sink + n_cand) * P, L)
-            rows.append(toks)
-        width = max(len(r) for r in rows)
-        return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int64)
+        return None if self._read is None else self.kv.read_indices()  # pages' tokens: SemanticPages.page_tokens
 
     # -- accounting ------------------------------------------------------------------------------
     def allocated_host_tokens(self) -> int:
         return self.forest.max_pages * self.kv.P  # page slots reserved per KV head
 
     def aux_bytes(self) -> tuple[int, int]:
-        kv = self.kv
-        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-        device = nbytes([kv.page_table, kv.page_lens])  # (the staging buffers are the policy's)
-        host = nbytes([kv.fill]) + (self.forest.nbytes() if self.anchor is None else 0)
-        return device, host
+        device, host = self.kv.aux_bytes()  # (the staging buffers are the policy's)
+        return device, host + (self.forest.nbytes() if self.anchor is None else 0)
 
 
 @register
@@ -258,7 +226,7 @@ class IceCache(Policy):
 
     def make_layer(self, index: int) -> LayerKV:
         if index == 0:  # one pair of recall staging buffers for all layers (they run in turn)
-            self.staging = Staging(self.cfg.n_kv_heads * self.n_select, self.page_size, self.cfg.head_dim,
+            self.staging = Staging((self.cfg.n_kv_heads * self.n_select, 2, self.page_size, self.cfg.head_dim),
                                    self.dtype, self.tiers)
         if index < self.skip_layers:
             return FullLayer(self, index)

@@ -289,7 +289,6 @@ class FreezeTiers:
         # both tiers in CPU memory: gather each layer's rows straight into its slots, one pass
         # over the bytes instead of two (into a temporary, then out of it). With ~2,800 rows a
         # step coming back, all out of cache, that halves the thaws' copy (2 ms a step to 1)
-        self.p.tiers.bytes_to_device += len(rows) * kv.shape[1] * kv.element_size()  # as to_device counts
         for l, rows_l in enumerate(rows.split(r)):  # rows_l (r[l],): layer l's
             if r[l]:
-                torch.index_select(kv_host, 0, rows_l, out=self.rows_of[l][m[l] : m[l] + r[l]])
+                self.p.tiers.gather_to_device(kv_host, rows_l, self.rows_of[l][m[l] : m[l] + r[l]])

@@ -6,7 +6,7 @@ https://openreview.net/forum?id=542c8KxeQt (no arXiv version, no public code).
 
 The idea: the KV heads of a layer attend to much the same tokens (intra-layer similarity), and
 the set they attend to drifts slowly (temporal locality). So an offline clustering (Sec. 4.1;
-synckv_clusters.py, `python -m minikv.bench cluster-heads`) groups each layer's KV heads into N_r
+synckv/clusters.py, `python -m minikv.bench cluster-heads`) groups each layer's KV heads into N_r
 clusters and names one representative head (R-head) per cluster. Then, per layer:
 
   prefill (Sec. 4.2, Algorithm 1 lines 9-17): dense attention over the prompt. R-heads keep their
@@ -51,13 +51,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import hugepages
-from ..kernels.attention_topk import attention_topk
-from ..kernels.decode_attention import decode_attention
-from ..kernels.gathered_attention import gathered_attention
-from .base import LayerKV, Policy, dense_attention, param, register
-from .synckv_bank import ContextBank
-from .synckv_clusters import find_clustering
+from ... import hugepages
+from ...kernels.attention_topk import attention_topk
+from ...kernels.decode_attention import decode_attention
+from ...kernels.gathered_attention import gathered_attention
+from ..base import LayerKV, Policy, dense_attention, param, register
+from ..pool import Staging, kernel_backend, refill
+from .bank import ContextBank
+from .clusters import find_clustering
 
 
 class SyncKVLayer(LayerKV):
@@ -80,7 +81,7 @@ class SyncKVLayer(LayerKV):
         # NR-heads' device slots (with offloading): [0, ks) static, [ks, ks + kd) dynamic, then a
         # ring of R = window + m - 1 slots holding the recent window, token t in slot ks + kd + t % R
         self.bank = ContextBank(n_heads=Hn, max_len=n, slots=self.ks + self.kd + self.R, head_dim=D, dtype=policy.dtype,
-                                tiers=policy.tiers, offload=self.offload, stage_rows=Hn * self.kd)
+                                tiers=policy.tiers, offload=self.offload, staging=policy.staging)
         self.static = [[] for _ in self.clusters]  # per cluster: token indices, slot order
         self.dynamic = [[-1] * self.kd for _ in self.clusters]  # per cluster: token held by each dynamic slot
         self.read_dynamic, self.read_window = self.dynamic, range(0)  # what the last step read
@@ -141,7 +142,7 @@ class SyncKVLayer(LayerKV):
         """Eqs. 3-4: I_0 from the R-head's attention of the last prompt token, split by rho. The
         candidates are the tokens before the window (the window's are read at every step anyway)."""
         # q_last (1, Hq, D); k_nr, v_nr (Hn, T, D)
-        T, n, backend = self.T, self.start, self.policy.backend
+        T, n, backend = self.T, self.start, kernel_backend(self.policy.backend)
         q_r = q_last[:, self.rq]
         _, lse = decode_attention(q_r, self.kr[:, :, :T], self.vr[:, :, :T], torch.tensor([T], device=q_r.device),
                                   return_lse=True, backend=backend)
@@ -160,7 +161,7 @@ class SyncKVLayer(LayerKV):
     def decode(self, q, k, v, positions):
         # q (1, Hq, 1, D); k, v (1, Hkv, 1, D)
         self.append(k, v)
-        L, backend = self.length, self.policy.backend
+        L, backend = self.length, kernel_backend(self.policy.backend)
         q1 = q[:, :, 0]  # (1, Hq, D)
         out = torch.empty_like(q1)
         q_r = q1[:, self.rq]
@@ -219,21 +220,13 @@ class SyncKVLayer(LayerKV):
         if self.kd == 0:  # rho = 1: no dynamic set to choose
             return
         _, top = attention_topk(q_r, self.kr[:, :, :n], lse_r, torch.tensor([n], device=q_r.device),
-                                self.keep[:, :, :n], self.kd, backend=self.policy.backend)
+                                self.keep[:, :, :n], self.kd, backend=kernel_backend(self.policy.backend))
         moves = []  # (cluster, dynamic slot, token)
         for c, row in enumerate(top[0].tolist()):
             if len(self.clusters[c]) == 1:
                 continue  # a cluster of its R-head alone has nobody to serve
-            want = [t for t in row if t >= 0]
-            held, keep = list(self.dynamic[c]), set(want)
-            self.dynamic[c] = held
-            missing = [t for t in want if t not in held]
-            free = [j for j, t in enumerate(held) if t not in keep]
-            for j in free:
-                held[j] = -1
-            for t, j in zip(missing, free):
-                held[j] = t
-                moves.append((c, j, t))
+            self.dynamic[c] = held = list(self.dynamic[c])  # a new list: read_dynamic keeps the old one
+            moves += [(c, j, t) for t, j in refill(held, row)]
         if self.offload and moves:
             self.fetch(moves)
 
@@ -282,8 +275,7 @@ class SyncKVLayer(LayerKV):
         return len(self.nr_heads) * self.kr.shape[2] / self.cfg.n_kv_heads if self.offload else 0
 
     def aux_bytes(self) -> tuple[int, int]:
-        dev, host = self.bank.staging_bytes()
-        return dev + self.keep.numel() * self.keep.element_size(), host
+        return self.keep.numel() * self.keep.element_size(), 0
 
 
 @register
@@ -336,7 +328,14 @@ class SyncKV(Policy):
                 raise ValueError(f"{self.clustering_file}: layer {i}'s clusters do not partition the KV heads")
 
     def make_layer(self, index: int) -> SyncKVLayer:
+        if index == 0:  # one pair of staging buffers for all layers (they fetch one after another)
+            n_nr = max(self.cfg.n_kv_heads - len(layer["r_heads"]) for layer in self.clustering)
+            rows = n_nr * self.k_dyn  # the most (head, token) rows a fetch moves
+            self.staging = Staging((2 * max(1, rows), self.cfg.head_dim), self.dtype, self.tiers) if self.offload else None
         return SyncKVLayer(self, index)
+
+    def aux_bytes(self) -> tuple[int, int]:
+        return self.staging.nbytes() if self.staging is not None else (0, 0)
 
     def stats(self) -> dict:
         s = super().stats()

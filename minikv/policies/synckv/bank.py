@@ -10,21 +10,22 @@
                 token index.
 
 `fetch` is Eq. 7: one gather of the wanted rows on the host into a staging buffer, one copy to
-the device, one scatter into their slots. On CUDA it runs on a side stream after the current
-stream's work (this step's attention over the old slots) and records an event that the next
-attention waits on (`wait`), so the transfer overlaps the rest of the forward (Sec. 4.5); on the
-CPU it runs in order. Every byte that crosses is counted in the policy's Tiers.
+the device, one scatter into their slots, through Tiers.copy_in (base.py), which counts the bytes
+and, on CUDA, runs it on the side stream after the current stream's work (this step's attention
+over the old slots), so the transfer overlaps the rest of the forward (Sec. 4.5); the next
+attention waits for it (`wait`). On the CPU it runs in order.
 """
 from __future__ import annotations
 
 import torch
 
-from .. import hugepages
+from ... import hugepages
+from ..pool import Staging
 
 
 class ContextBank:
     def __init__(self, *, n_heads: int, max_len: int, slots: int, head_dim: int, dtype: torch.dtype, tiers,
-                 offload: bool, stage_rows: int):
+                 offload: bool, staging: Staging | None):
         dev, D, pin = tiers.device, head_dim, tiers.pin
         self.tiers, self.offload = tiers, offload
         shape = (1, n_heads, slots if offload else max_len, D)
@@ -33,22 +34,16 @@ class ContextBank:
         if offload:
             self.bank_k = torch.empty(n_heads, max_len, D, dtype=dtype, pin_memory=pin)
             self.bank_v = torch.empty_like(self.bank_k, pin_memory=pin)
-            self.stage_host = torch.empty(2, max(1, stage_rows), D, dtype=dtype, pin_memory=pin)
-            self.stage_dev = torch.empty(2, max(1, stage_rows), D, dtype=dtype, device=dev)
-        self.cuda = dev.type == "cuda"
-        if self.cuda:
-            self.side, self.ready = torch.cuda.Stream(device=dev), torch.cuda.Event()
-
-    def _count_to_host(self, t: torch.Tensor) -> None:
-        self.tiers.bytes_to_host += 2 * t.numel() * t.element_size()  # keys and values
+            # the policy's two staging buffers (its layers fetch in turn): rows [0, n) keys, [n, 2n)
+            # values of one fetch's n (head, token) rows
+            self.staging = staging
 
     def write_prompt(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (Hn, T, D): the prompt, whole, to the bank (or, w/o offloading, to the device)."""
         T = k.shape[1]
         if self.offload:
-            self.bank_k[:, :T].copy_(k)
-            self.bank_v[:, :T].copy_(v)
-            self._count_to_host(k)
+            self.tiers.write_host(self.bank_k[:, :T], k)
+            self.tiers.write_host(self.bank_v[:, :T], v)
         else:
             self.store_k[0, :, :T] = k
             self.store_v[0, :, :T] = v
@@ -67,46 +62,27 @@ class ContextBank:
         """Tokens leaving the device (the recent window): each slot's row of every head to the
         bank at its token index, so that a later anticipation can fetch it back."""
         slots_t = torch.tensor(slots, device=self.store_k.device)
-        k = self.store_k[0].index_select(1, slots_t).to(self.bank_k.device)  # (Hn, n, D)
-        v = self.store_v[0].index_select(1, slots_t).to(self.bank_v.device)
-        self.bank_k[:, tokens] = k
-        self.bank_v[:, tokens] = v
-        self._count_to_host(k)
+        self.bank_k[:, tokens] = self.tiers.to_host(self.store_k[0].index_select(1, slots_t), fresh=True)  # (Hn, n, D)
+        self.bank_v[:, tokens] = self.tiers.to_host(self.store_v[0].index_select(1, slots_t), fresh=True)
 
     def fetch(self, rows: list[tuple[int, int, int]]) -> None:
         """Eq. 7: for each (head, token, slot), the bank's row of that token into that slot."""
-        n_bank, n_slots, D = self.bank_k.shape[1], self.store_k.shape[2], self.store_k.shape[3]
+        n, n_bank, n_slots, D = len(rows), self.bank_k.shape[1], self.store_k.shape[2], self.store_k.shape[3]
         src = torch.tensor([h * n_bank + t for h, t, _ in rows])
         dst = torch.tensor([h * n_slots + s for h, _, s in rows])
-        if self.cuda:
-            self.ready.synchronize()  # the last fetch has finished reading the staging buffer
-        stage = self.stage_host[:, :len(rows)]
-        torch.index_select(self.bank_k.view(-1, D), 0, src, out=stage[0])
-        torch.index_select(self.bank_v.view(-1, D), 0, src, out=stage[1])
-        self.tiers.bytes_to_device += stage.numel() * stage.element_size()
-        if not self.cuda:
-            self._scatter(stage, dst)
-            return
-        self.side.wait_stream(torch.cuda.current_stream())  # this step's reads of the slots first
-        with torch.cuda.stream(self.side):
-            self._scatter(stage, dst)
-            self.ready.record(self.side)
 
-    def _scatter(self, stage: torch.Tensor, dst: torch.Tensor) -> None:
-        # stage (2, m, D) host rows -> device staging -> their rows of the flat (Hn * S, D) store
-        blocks = self.stage_dev[:, :stage.shape[1]]
-        blocks.copy_(stage, non_blocking=self.cuda)
-        dst = dst.to(blocks.device, non_blocking=self.cuda)
-        self.store_k.view(-1, self.store_k.shape[3]).index_copy_(0, dst, blocks[0])
-        self.store_v.view(-1, self.store_v.shape[3]).index_copy_(0, dst, blocks[1])
+        def gather(buffer):  # (>= 2n, D) pinned host rows
+            torch.index_select(self.bank_k.view(-1, D), 0, src, out=buffer[:n])
+            torch.index_select(self.bank_v.view(-1, D), 0, src, out=buffer[n:2 * n])
+            return buffer[:2 * n]
+
+        def scatter(staged):  # (2n, D) on the device -> their rows of the flat (Hn * S, D) store
+            at = dst.to(staged.device, non_blocking=True)
+            self.store_k.view(-1, D).index_copy_(0, at, staged[:n])
+            self.store_v.view(-1, D).index_copy_(0, at, staged[n:])
+
+        self.tiers.copy_in(self.staging, gather, scatter, into=self, background=True)
 
     def wait(self) -> None:
         """Before attention reads the slots: the last fetch has landed."""
-        if self.cuda:
-            torch.cuda.current_stream().wait_event(self.ready)
-
-    def staging_bytes(self) -> tuple[int, int]:
-        if not self.offload:
-            return 0, 0
-        return (self.stage_dev.numel() * self.stage_dev.element_size(),
-                self.stage_host.numel() * self.stage_host.element_size())
+        self.tiers.wait(self)

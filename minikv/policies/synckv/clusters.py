@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 FORMAT = "minikv-synckv-clusters/1"
-DATA_DIR = Path(__file__).resolve().parent / "data"
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 COMMAND = "python -m minikv.bench cluster-heads --model MODEL --out FILE"
 
 
@@ -141,7 +141,7 @@ def weights_sha256(model_dir: Path) -> str:
     the same GGUF differ in bytes while every tensor is equal."""
     from safetensors import safe_open
 
-    from ..loading import safetensors_files
+    from ...loading import safetensors_files
 
     h = hashlib.sha256()
     for file in safetensors_files(Path(model_dir)):
