@@ -15,7 +15,7 @@ import torch
 from minikv.policies import available, make
 from minikv.policies.base import _REGISTRY, parameters
 from minikv.policies.params import value_type
-from minikv.policies.synckv_clusters import FORMAT, config_sha256
+from minikv.policies.synckv.clusters import FORMAT, config_sha256
 
 PROMPT, NEW = 80, 40  # llama_gqa3: 80 prompt tokens, 40 decoded (120 = max_len)
 
