@@ -7,6 +7,7 @@ Every test but the first needs the hf extra (marked `hf`; CI installs it). CI ru
 the oldest and the newest transformers pyproject admits (constraints.txt, constraints-hf-newest.txt),
 with transformers' FutureWarnings as errors: a deprecation the adapter trips fails CI first.
 """
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,28 @@ def test_core_never_imports_transformers():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def pins(name):
+    """{package: version} of a constraints file's `package==version` lines."""
+    lines = (ROOT / name).read_text().splitlines()
+    return dict(ln.split("==") for ln in lines if ln.strip() and not ln.startswith("#"))
+
+
+def test_ci_pins_both_ends_of_the_hf_range():
+    # .ci/test runs this file on the oldest transformers pyproject's hf extra admits
+    # (constraints.txt) and on the newest (constraints-hf-newest.txt); nothing else differs
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    floor, ceiling = re.search(r'"transformers>=([\d.]+),<(\d+)"', pyproject).groups()
+    oldest, newest = pins("constraints.txt"), pins("constraints-hf-newest.txt")
+    version = lambda v: tuple(int(x) for x in v.split("."))  # noqa: E731
+    assert version(oldest["transformers"]) == version(floor + ".0")
+    assert version(oldest["transformers"]) < version(newest["transformers"]) < (int(ceiling),)
+    del oldest["transformers"], newest["transformers"]
+    assert oldest == newest
+    # jinja2 renders chat templates from downloaded files: no release with a sandbox escape
+    jinja_floor = re.search(r'"jinja2>=([\d.]+)"', pyproject).group(1)
+    assert version(jinja_floor) >= (3, 1, 6), "CVE-2024-56326, CVE-2025-27516"
 
 
 # -- helpers ------------------------------------------------------------------------------------
