@@ -381,8 +381,9 @@ def detach(model) -> None:
 
 def cache(model, spec, *, max_new_tokens: int | None = None, max_len: int | None = None) -> PolicyCache:
     """A PolicyCache for one generation with policy `spec` (a spec string or an unbound Policy),
-    to pass to `generate` or the model's forward under `cache_argument(model)`. Attaches the model (see `attach`). The policy is bound at the
-    first forward, sized for the prompt plus max_new_tokens (or max_len tokens in all)."""
+    to pass to `generate` or the model's forward under the name `cache_argument(model)` gives.
+    Attaches the model (see `attach`). The policy is bound at the first forward, sized for the
+    prompt plus max_new_tokens (or max_len tokens in all)."""
     attach(model)
     c = PolicyCache(model, spec, max_new_tokens=max_new_tokens, max_len=max_len)
     model._minikv_cache = c
