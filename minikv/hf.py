@@ -5,16 +5,18 @@
         out = model.generate(input_ids, max_new_tokens=64)
     run.stats()                       # the policy's stats(), as minikv's own runtime reports them
 
-or, without a context manager, a cache to pass to `generate` (or to `model(...)` in your own loop):
+or, without a context manager, a cache to pass to `generate` (or to `model(...)` in your own loop)
+under the name the model's forward gives its Cache argument: `cache` from transformers 5.24,
+`past_key_values` before; `minikv.hf.cache_argument(model)` says which.
 
     cache = minikv.hf.cache(model, "streaming:budget=512", max_new_tokens=64)
-    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
+    out = model.generate(input_ids, **{minikv.hf.cache_argument(model): cache}, max_new_tokens=64)
 
 transformers is an optional extra (`pip install minikv[hf]`); this module is the only one that
 imports it, and only when it is imported itself.
 
 How the model's attention reaches the policy. A transformers attention layer projects q, k, v,
-applies RoPE, hands k and v to `past_key_values.update(k, v, layer_idx)` and then calls the
+applies RoPE, hands k and v to its cache's `update(k, v, layer_idx)` and then calls the
 attention function registered under `config._attn_implementation` with the query and whatever
 the cache returned. The cache never sees the query, and the attention function never sees the
 cache; a policy needs both at once. So:
@@ -31,7 +33,10 @@ cache; a policy needs both at once. So:
     PolicyCache it is plain SDPA, so the model works as before with any other cache.
   * hooks on the model's forward bind the policy at the first forward (batch, prompt length,
     dtype, device are known only then), and after every forward hand the next-token logits to
-    `policy.end_step`, as minikv's generation loop does.
+    `policy.end_step`, as minikv's generation loop does. They find the PolicyCache among the
+    forward's arguments by its type, not by the argument's name, which transformers changed
+    (`past_key_values` until 5.23, `cache` from 5.24); the one name the adapter must write, to
+    hand the cache to `generate`, it reads from the forward's signature (`cache_argument`).
   * a policy that renumbers positions (streaming) tells the model at which positions to rotate q
     and k (`policy.rope_positions`): a hook on the model's rotary embedding substitutes them.
   * a policy that rewinds (softfreeze's rewalk) removes the KV of the last n tokens; inside
@@ -40,8 +45,10 @@ cache; a policy needs both at once. So:
 """
 from __future__ import annotations
 
+import inspect
 import math
 import threading
+import typing
 from contextlib import contextmanager
 
 import torch
@@ -293,9 +300,25 @@ def _rotary_modules(model):
     return [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
 
 
+def _policy_cache(args, kwargs) -> PolicyCache | None:
+    """The PolicyCache among a forward's arguments, whatever transformers calls that argument."""
+    return next((a for a in (*args, *kwargs.values()) if isinstance(a, PolicyCache)), None)
+
+
+def cache_argument(model) -> str:
+    """The name of the argument through which the model's forward, and so `generate`, takes its
+    Cache: the parameter of `forward` annotated as a Cache (`past_key_values` until transformers
+    5.23, `cache` from 5.24, where the old name still works with a deprecation warning)."""
+    for name, p in inspect.signature(model.forward).parameters.items():
+        if p.annotation is Cache or Cache in typing.get_args(p.annotation):
+            return name
+    raise ValueError(f"minikv.hf: {type(model).__name__}.forward declares no Cache argument; "
+                     "it cannot run a policy")
+
+
 def _before_forward(module, args, kwargs):
-    cache = kwargs.get("past_key_values")
-    if not isinstance(cache, PolicyCache):
+    cache = _policy_cache(args, kwargs)
+    if cache is None:
         _active.cache = None
         return None
     ids = kwargs.get("input_ids", args[0] if args else None)
@@ -305,8 +328,8 @@ def _before_forward(module, args, kwargs):
 
 
 def _after_forward(module, args, kwargs, output):
-    cache = kwargs.get("past_key_values")
-    if not isinstance(cache, PolicyCache) or _active_cache() is not cache:
+    cache = _policy_cache(args, kwargs)
+    if cache is None or _active_cache() is not cache:
         return None
     _active.cache = None
     logits = getattr(output, "logits", None)
@@ -358,8 +381,9 @@ def detach(model) -> None:
 
 def cache(model, spec, *, max_new_tokens: int | None = None, max_len: int | None = None) -> PolicyCache:
     """A PolicyCache for one generation with policy `spec` (a spec string or an unbound Policy),
-    to pass as `past_key_values`. Attaches the model (see `attach`). The policy is bound at the
-    first forward, sized for the prompt plus max_new_tokens (or max_len tokens in all)."""
+    to pass to `generate` or the model's forward under the name `cache_argument(model)` gives.
+    Attaches the model (see `attach`). The policy is bound at the first forward, sized for the
+    prompt plus max_new_tokens (or max_len tokens in all)."""
     attach(model)
     c = PolicyCache(model, spec, max_new_tokens=max_new_tokens, max_len=max_len)
     model._minikv_cache = c
@@ -394,7 +418,7 @@ class PolicyRun:
         return self.cache.stats()
 
     def generate(self, original, args, kwargs):
-        if kwargs.get("past_key_values") is not None:
+        if any(isinstance(v, Cache) for v in kwargs.values()):
             return original(*args, **kwargs)  # the caller brought a cache of their own
         kwargs = dict(kwargs)
         if args:  # generate(inputs, generation_config, ...): only the first is usual positionally
@@ -409,7 +433,7 @@ class PolicyRun:
         try:
             while True:
                 try:
-                    return original(*args, past_key_values=c, **kwargs)
+                    return original(*args, **{cache_argument(self.model): c}, **kwargs)
                 except _Rewind:
                     kwargs = self._restart(kwargs, prompt, new)
         finally:

@@ -1,7 +1,7 @@
 """kvpress's presses on the same task instances and weights as `python -m minikv.bench compare`,
 written in the same JSON schema, so that `bench compare --include` puts them in the same tables.
 
-    /work/kvpress-venv/bin/python reference/compare_kvpress.py --threads 1 --json kvpress.json
+    reference/.venv-kvpress/bin/python reference/compare_kvpress.py --threads 1 --json kvpress.json
     python -m minikv.bench compare --from compare/compare.json --include kvpress.json --out compare/
 
 Run from the repository root with the kvpress virtualenv (reference/README.md; kvpress and

@@ -1,7 +1,7 @@
 """Decode and prefill speed of minikv's full cache against Hugging Face transformers, same
 weights (the bundled SmolLM2 GGUF), same machine, same process, interleaved runs.
 
-    /work/ref-venv/bin/python reference/compare_speed_hf.py --prompt-tokens 500 --new-tokens 64
+    reference/.venv-hf/bin/python reference/compare_speed_hf.py --prompt-tokens 500 --new-tokens 64
 
 Run from the repository root with a Python that has transformers (it is never a dependency of
 minikv). Greedy decoding, float32 on the CPU, EOS ignored, median of --repeats runs each.

@@ -1,8 +1,8 @@
 """Regenerate the reference data under reference/models/ with Hugging Face transformers.
 
-    /work/ref-venv/bin/python reference/make_models.py            # everything
-    /work/ref-venv/bin/python reference/make_models.py tiny       # only the six random checkpoints
-    /work/ref-venv/bin/python reference/make_models.py smollm2    # only the real model
+    reference/.venv-hf/bin/python reference/make_models.py            # everything
+    reference/.venv-hf/bin/python reference/make_models.py tiny       # only the six random checkpoints
+    reference/.venv-hf/bin/python reference/make_models.py smollm2    # only the real model
 
 transformers is the independent implementation minikv is checked against; it is used here and
 nowhere in the minikv package. Everything is seeded, so a re-run on the same machine rewrites the

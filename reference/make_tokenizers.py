@@ -2,7 +2,7 @@
 
 Run with the reference venv, never the project one (minikv and its tests never import transformers):
 
-    /work/ref-venv/bin/python reference/make_tokenizers.py
+    reference/.venv-hf/bin/python reference/make_tokenizers.py
 
 What it writes (all small; the SmolLM2 vocabulary is the bulk):
 

@@ -3,8 +3,11 @@
 The oracles: minikv's own runtime under the same policy (SmolLM2 from the bundled GGUF, and a
 tiny random Llama checkpoint from reference/), and transformers' own attention (a random Qwen3,
 an architecture minikv does not implement, with a budget that covers the whole context).
-Every test but the first needs the hf extra (marked `hf`; CI installs it).
+Every test but the first needs the hf extra (marked `hf`; CI installs it). CI runs this file on
+the oldest and the newest transformers pyproject admits (constraints.txt, constraints-hf-newest.txt),
+with transformers' FutureWarnings as errors: a deprecation the adapter trips fails CI first.
 """
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +19,7 @@ import minikv
 from minikv.policies import available, make
 
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.filterwarnings("error::FutureWarning")
 
 
 def test_core_never_imports_transformers():
@@ -38,6 +42,28 @@ def test_core_never_imports_transformers():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def pins(name):
+    """{package: version} of a constraints file's `package==version` lines."""
+    lines = (ROOT / name).read_text().splitlines()
+    return dict(ln.split("==") for ln in lines if ln.strip() and not ln.startswith("#"))
+
+
+def test_ci_pins_both_ends_of_the_hf_range():
+    # .ci/test runs this file on the oldest transformers pyproject's hf extra admits
+    # (constraints.txt) and on the newest (constraints-hf-newest.txt); nothing else differs
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    floor, ceiling = re.search(r'"transformers>=([\d.]+),<(\d+)"', pyproject).groups()
+    oldest, newest = pins("constraints.txt"), pins("constraints-hf-newest.txt")
+    version = lambda v: tuple(int(x) for x in v.split("."))  # noqa: E731
+    assert version(oldest["transformers"]) == version(floor + ".0")
+    assert version(oldest["transformers"]) < version(newest["transformers"]) < (int(ceiling),)
+    del oldest["transformers"], newest["transformers"]
+    assert oldest == newest
+    # jinja2 renders chat templates from downloaded files: no release with a sandbox escape
+    jinja_floor = re.search(r'"jinja2>=([\d.]+)"', pyproject).group(1)
+    assert version(jinja_floor) >= (3, 1, 6), "CVE-2024-56326, CVE-2025-27516"
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -249,11 +275,12 @@ def test_plain_cache_in_a_loop_of_ones_own(tiny_llama):
     cache = minikv.hf.cache(hf, spec, max_new_tokens=10)
     with pytest.raises(ValueError, match="no stats before"):
         cache.stats()
-    out = hf(torch.tensor([ids]), past_key_values=cache)
+    arg = {minikv.hf.cache_argument(hf): cache}  # past_key_values= before transformers 5.24, cache= since
+    out = hf(torch.tensor([ids]), **arg)
     tokens = []
     for _ in range(10):
         tokens.append(int(out.logits[0, -1].argmax()))
-        out = hf(torch.tensor([[tokens[-1]]]), past_key_values=cache)
+        out = hf(torch.tensor([[tokens[-1]]]), **arg)
     want, _ = run_minikv(model, NoTokenizer(), ids, spec, 10)
     assert tokens == want
     assert cache.get_seq_length() == 40
@@ -350,10 +377,36 @@ def test_refusals_are_clear(qwen3):
     cache = minikv.hf.cache(qwen3, "full")
     assert qwen3.config._attn_implementation == minikv.hf.ATTENTION
     with pytest.raises(ValueError, match="max_new_tokens"):
-        qwen3(x[:1], past_key_values=cache)
+        qwen3(x[:1], **{minikv.hf.cache_argument(qwen3): cache})
     minikv.hf.detach(qwen3)
     assert qwen3.config._attn_implementation == attention
     # batch 2 without padding is fine for `full`, which holds any batch
     with minikv.hf.policy(qwen3, "full") as run:
         out = qwen3.generate(x, max_new_tokens=4, do_sample=False, eos_token_id=None)
     assert out.shape == (2, 16) and run.stats()["device_tokens"] == 12 + 3
+
+
+# -- what the adapter reads of transformers' names ------------------------------------------------------
+
+
+@pytest.mark.hf
+def test_cache_found_by_type_and_annotation_not_by_name():
+    # transformers 5.24 renamed the forward's `past_key_values` to `cache`; the hooks find the
+    # PolicyCache by its type, and the name to hand it to generate under comes from the forward's
+    # signature, so another rename cannot silently detach the policy
+    import minikv.hf
+    from transformers import Cache
+
+    class Renamed:
+        def forward(self, input_ids=None, kv_state: Cache | None = None, **kwargs): ...
+
+    class NoCache:
+        def forward(self, input_ids=None, use_cache: bool = True): ...
+
+    assert minikv.hf.cache_argument(Renamed()) == "kv_state"
+    with pytest.raises(ValueError, match="NoCache.forward declares no Cache argument"):
+        minikv.hf.cache_argument(NoCache())
+    cache = object.__new__(minikv.hf.PolicyCache)
+    assert minikv.hf._policy_cache((), {"input_ids": None, "kv_state": cache}) is cache
+    assert minikv.hf._policy_cache((None, None, None, cache), {}) is cache
+    assert minikv.hf._policy_cache((), {"past_key_values": None, "cache": None}) is None
