@@ -45,14 +45,17 @@ from .attention_recall import renumbers_positions
 from .common import add_common_arguments, environment, load_model, text_ids
 from .compare_run import Bound, answer, bind, lockstep_long_pass, prefill_all
 from .passkey import with_budget
-from .tasks import make_instance, string_match_all, task_names
+from .intervals import interval
+from .tasks import HAYSTACKS, haystacks, make_instance, string_match_all, task_names
 
 COMMAND = "compare"
 PRESETS = {
     # quick: about 2 CPU-minutes per row on one thread (README: measured time)
-    "quick": {"length": 1024, "seeds": [0], "long_prompt": 2048, "long_steps": 32},
-    # full: what the README's table shows; four times the quick preset's prompt length
-    "full": {"length": 4096, "seeds": [0], "long_prompt": 8000, "long_steps": 64},
+    "quick": {"length": 1024, "seeds": [0, 1, 2], "haystacks": ["noise"], "long_prompt": 2048, "long_steps": 32},
+    # full: what the README's table shows; four times the quick preset's prompt length, 20 instances
+    # per task and haystack, so that a 95% interval is about +-20 points at worst, not +-50
+    "full": {"length": 4096, "seeds": list(range(20)), "haystacks": ["noise", "pydoc"], "long_prompt": 8000,
+             "long_steps": 64},
 }
 BUDGETS = [64, 128, 256, 512]
 
@@ -64,6 +67,9 @@ def add_arguments(p) -> None:
     p.add_argument("--tasks", nargs="+", help=f"task subset (default all): {' '.join(task_names())} long")
     p.add_argument("--length", type=int, help="task prompt length in tokens (preset's)")
     p.add_argument("--seeds", type=int, nargs="+", help="task instances per task, by seed (preset's)")
+    p.add_argument("--haystack", nargs="+", choices=HAYSTACKS,
+                   help="haystacks of the tasks that offer a choice: noise (RULER's repeated line) and/or pydoc "
+                        "(natural text); results name a pydoc column task@pydoc (preset's)")
     p.add_argument("--long-prompt", type=int, help="prompt tokens of the long pass (preset's)")
     p.add_argument("--long-steps", type=int, help="tokens fed one at a time after it (preset's)")
     p.add_argument("--no-chat", action="store_true", help="plain prompts, no chat template")
@@ -134,8 +140,9 @@ class Tally:
 
     def add(self, inst, text: str, b) -> float:
         score = string_match_all([text], [inst.answers])
-        self.scores.setdefault(inst.task, []).append(score)
-        self.answers.append({"task": inst.task, "seed": inst.seed, "answer": text, "score": score})
+        self.scores.setdefault(inst.key, []).append(score)
+        self.answers.append({"task": inst.key, "seed": inst.seed, "haystack": inst.haystack, "answer": text,
+                             "score": score})
         self.device += b.device
         self.seq += b.seq
         if b.probe is not None and b.probe.recall is not None:
@@ -149,7 +156,9 @@ class Tally:
         if not self.device:
             return {}
         shares = [d / s for d, s in zip(self.device, self.seq)]
-        return {"scores": {t: sum(v) / len(v) for t, v in self.scores.items()}, "answers": self.answers,
+        return {"scores": {t: sum(v) / len(v) for t, v in self.scores.items()},
+                "intervals": {t: list(interval(v)) for t, v in self.scores.items()},
+                "instances": {t: len(v) for t, v in self.scores.items()}, "answers": self.answers,
                 "kv_mean_tokens": sum(self.device) / len(self.device), "kv_peak_tokens": max(self.device),
                 "kv_share_mean": sum(self.device) / sum(self.seq), "kv_share_peak": max(shares),
                 "recall": self.recall_sum / self.recall_n if self.recall_n else None,
@@ -188,8 +197,9 @@ def prefill_rows(model, rows, bound: dict[int, Bound], ids, max_len, oracle_budg
 
 def run_compare(model, tok, args, settings: dict) -> dict:
     cfgs = configs(args.policy, settings["budgets"])
-    instances = [make_instance(t, tok, settings["length"], s, chat=settings["chat"])
-                 for t in settings["tasks"] if t != "long" for s in settings["seeds"]]
+    instances = [make_instance(t, tok, settings["length"], s, chat=settings["chat"], haystack=h)
+                 for t in settings["tasks"] if t != "long" for h in task_haystacks(t, settings["haystacks"])
+                 for s in settings["seeds"]]
     long_ids = text_ids(tok, settings["long_prompt"] + settings["long_steps"]) if "long" in settings["tasks"] else None
     own = own_prefills(cfgs)
     long_cost = (settings["long_prompt"] * (1 + own) + 20 * settings["long_steps"] * len(cfgs)) if long_ids else 0
@@ -215,7 +225,7 @@ def run_compare(model, tok, args, settings: dict) -> dict:
             heard.append(f"{rows[i]['spec']} {tallies[i].add(inst, text, b):.0f}")
         del bound, logits
         gc.collect()  # a policy and its layers point at each other: free this prompt's caches now
-        progress.step(task_cost(inst, len(cfgs), own), f"{inst.task} seed {inst.seed}: " + ", ".join(heard))
+        progress.step(task_cost(inst, len(cfgs), own), f"{inst.key} seed {inst.seed}: " + ", ".join(heard))
         for row, tally in zip(rows, tallies):
             row.update(tally.summary())
         if args.out:  # partial results survive a crash
@@ -275,6 +285,13 @@ def load_rows(path: str) -> dict:
     return data
 
 
+def task_haystacks(task: str, asked: list[str]) -> list[str]:
+    """The asked haystacks the task offers; a task with no choice runs once on its own ("noise"
+    stands for it: make_instance's default)."""
+    offered = [h for h in asked if h in haystacks(task)]
+    return offered if set(haystacks(task)) & set(HAYSTACKS) else ["noise"]
+
+
 def settings_of(args) -> dict:
     preset = PRESETS[args.preset]
     tasks = args.tasks or task_names() + ["long"]
@@ -286,6 +303,7 @@ def settings_of(args) -> dict:
         raise ValueError("budgets must be positive")
     s = {"preset": args.preset, "tasks": tasks, "budgets": sorted(set(budgets)), "chat": not args.no_chat,
          "length": args.length or preset["length"], "seeds": args.seeds or preset["seeds"],
+         "haystacks": args.haystack or preset["haystacks"],
          "long_prompt": args.long_prompt or preset["long_prompt"], "long_steps": args.long_steps or preset["long_steps"]}
     if s["long_steps"] < 2:
         raise ValueError("--long-steps must be at least 2")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .intervals import mean_interval
+
 GROUPS = [
     ("Retrieval: passkey and needles in a haystack", "retrieval",
      ["passkey", "niah_single_1", "niah_multikey_2", "niah_multikey_3", "niah_multivalue", "niah_multiquery"]),
@@ -20,6 +22,28 @@ def _reference(rows: list[dict], source: str) -> dict | None:
     return next((r for r in rows if r.get("source") == source and r.get("policy") == "full" and not r.get("error")), None)
 
 
+def base_task(key: str) -> str:
+    return key.partition("@")[0]  # "niah_single_1@pydoc" -> "niah_single_1"
+
+
+def _per_instance(r: dict) -> dict[str, list[float]]:
+    """Each task's per-instance scores, from the row's answers (rows of older runs have none)."""
+    out: dict[str, list[float]] = {}
+    for a in r.get("answers") or []:
+        out.setdefault(a["task"], []).append(a["score"])
+    return out
+
+
+def _mean(r: dict, tasks: list[str]) -> tuple[float | None, list[float] | None]:
+    scores = r.get("scores") or {}
+    if not tasks:
+        return None, None
+    mean = sum(scores[t] for t in tasks) / len(tasks)
+    each = _per_instance(r)
+    ci = list(mean_interval({t: each[t] for t in tasks})) if all(each.get(t) for t in tasks) else None
+    return mean, ci
+
+
 def annotate(result: dict) -> None:
     rows = result["rows"]
     full = _reference(rows, "minikv") or _reference(rows, rows[0].get("source")) if rows else None
@@ -27,11 +51,10 @@ def annotate(result: dict) -> None:
     result["weak_tasks"] = weak
     for r in rows:
         scores = r.get("scores") or {}
-        counted = [t for t in scores if t not in weak]
-        r["mean"] = sum(scores[t] for t in counted) / len(counted) if counted else None
+        r["mean"], r["mean_ci"] = _mean(r, [t for t in scores if t not in weak])
         for _, key, tasks in GROUPS:
-            mine = [t for t in tasks if t in scores and t not in weak]
-            r[f"mean_{key}"] = sum(scores[t] for t in mine) / len(mine) if mine else None
+            mine = [t for t in scores if base_task(t) in tasks and t not in weak]
+            r[f"mean_{key}"], r[f"mean_{key}_ci"] = _mean(r, mine)
         base = _reference(rows, r.get("source"))
         mine, theirs = (r.get("long") or {}).get("tpot_s"), (base or {}).get("long", {}).get("tpot_s")
         # against full KV of the row's own run when it says (rows merged from several runs)
@@ -44,6 +67,13 @@ def label(r: dict) -> str:
 
 def _cell(value, spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec)
+
+
+def _score(value, ci, spec: str = ".0f") -> str:
+    """A score with its 95% interval: '85 (64-95)'."""
+    if value is None:
+        return "-"
+    return format(value, spec) + (f" ({ci[0]:.0f}-{ci[1]:.0f})" if ci else "")
 
 
 def _budget(r: dict) -> str:
@@ -61,22 +91,28 @@ def _table(header: list[str], lines: list[list[str]]) -> str:
 def markdown(result: dict) -> str:
     s, rows, weak = result.get("settings", {}), [r for r in result["rows"] if not r.get("error")], result.get("weak_tasks", [])
     parts = [f"Model {result.get('model', '?')}, task prompts of {s.get('length', '?')} tokens, "
-             f"{len(s.get('seeds', []))} instance(s) per task, greedy; "
+             f"{len(s.get('seeds', []))} instance(s) per task and haystack, greedy; a cell is the mean score "
+             f"with its 95% interval in brackets (Wilson for hit-or-miss tasks, else a bootstrap over instances). "
+             f"Haystack: RULER's repeated noise line, or the task's own distractors or word lists; a column "
+             f"`task@pydoc` used natural text (pydoc_data) instead. "
              f"budget = tokens per KV head attention reads on the device ('own': the policy's defaults). "
              f"KV mean/peak: device tokens per KV head really read, over the tasks; Mem%: mean as a share of full KV. "
              f"TPOT x full: time per output token at the long prompt over full KV's, same run."]
     for title, key, tasks in GROUPS:
-        present = [t for t in tasks if any(t in (r.get("scores") or {}) for r in rows)]
+        keys = sorted({k for r in rows for k in (r.get("scores") or {})}, key=lambda k: (base_task(k), k))
+        present = [k for t in tasks for k in keys if base_task(k) == t]
         if not present:
             continue
         header = ["policy", "budget"] + [t + (" †" if t in weak else "") for t in present] + \
                  ["mean", "KV mean", "KV peak", "Mem%", "TPOT x full"]
-        lines = [[label(r), _budget(r)] + [_cell((r.get("scores") or {}).get(t), ".0f") for t in present] +
-                 [_cell(r.get(f"mean_{key}")), _cell(r.get("kv_mean_tokens"), ".0f"), _cell(r.get("kv_peak_tokens"), ".0f"),
+        lines = [[label(r), _budget(r)] + [_score((r.get("scores") or {}).get(t), (r.get("intervals") or {}).get(t))
+                                          for t in present] +
+                 [_score(r.get(f"mean_{key}"), r.get(f"mean_{key}_ci"), ".1f"), _cell(r.get("kv_mean_tokens"), ".0f"),
+                  _cell(r.get("kv_peak_tokens"), ".0f"),
                   _cell(100 * r["kv_share_mean"] if r.get("kv_share_mean") is not None else None, ".0f"),
                   _cell(r.get("tpot_ratio"), ".2f")] for r in rows if r.get("scores")]
         parts.append(f"### {title}\n\n" + _table(header, lines))
-    if any(t in weak for _, _, tasks in GROUPS for t in tasks):
+    if weak:
         parts.append(f"† full KV scores below {WEAK:.0f} on this task at {s.get('length', '?')} tokens: "
                      f"it is shown but left out of the means.")
     long_rows = [r for r in rows if r.get("long") or r.get("recall") is not None]
@@ -120,12 +156,16 @@ def figures(result: dict, out: Path) -> list[Path]:
     for r in rows:
         by_policy.setdefault(label(r), []).append(r)
 
-    def lines(ax, value, ylabel: str, title: str):
+    def lines(ax, value, ylabel: str, title: str, error=lambda r: None):
         for name, rs in by_policy.items():
-            pts = sorted((r["budget"], value(r)) for r in rs if r.get("budget") is not None and value(r) is not None)
+            pts = sorted((r["budget"], value(r), error(r)) for r in rs
+                         if r.get("budget") is not None and value(r) is not None)
             style = "--" if rs[0].get("source", "minikv") != "minikv" else "-"
-            if pts:
-                ax.plot(*zip(*pts), style, marker="o", label=name)
+            if pts and all(e is not None for _, _, e in pts):  # the 95% intervals as error bars
+                ax.errorbar([p[0] for p in pts], [p[1] for p in pts], capsize=3, fmt=style, marker="o", label=name,
+                            yerr=[[p[1] - p[2][0] for p in pts], [p[2][1] - p[1] for p in pts]])
+            elif pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=name)
             elif rs[0]["policy"] == "full" and value(rs[0]) is not None:
                 ax.axhline(value(rs[0]), color="black", ls=":", label=f"{name} (all tokens)")
             elif value(rs[0]) is not None and rs[0].get("kv_mean_tokens"):  # no budget: where its memory went
@@ -144,8 +184,9 @@ def figures(result: dict, out: Path) -> list[Path]:
     s = result.get("settings", {})
     if any(r.get("mean") is not None for r in rows):
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        lines(ax, lambda r: r.get("mean"), "mean score (string_match_all, %)",
-              f"Accuracy against budget, RULER-style suite at {s.get('length', '?')} tokens")
+        lines(ax, lambda r: r.get("mean"), "mean score (string_match_all, %), 95% interval",
+              f"Accuracy against budget, RULER-style suite at {s.get('length', '?')} tokens",
+              error=lambda r: r.get("mean_ci"))
         written.append(_save(fig, out / "accuracy.png", plt))
     pts = [(r, r["long"]) for r in rows if r.get("long") and r.get("tpot_ratio")]
     if pts:

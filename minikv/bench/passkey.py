@@ -62,8 +62,10 @@ def _pydoc_tokens(tokenizer) -> tuple[int, ...]:
     return tuple(tokenizer.encode("\n\n".join(topics[k] for k in sorted(topics)), add_bos=False))
 
 
-def filler_tokens(tokenizer, n: int, filler: str = "repeat") -> list[int]:
-    """n filler tokens: the repeated sentences, or natural text (pydoc_data, ~100k tokens)."""
+def filler_tokens(tokenizer, n: int, filler: str = "repeat", start: float = 0.0) -> list[int]:
+    """n filler tokens: the repeated sentences, or natural text (pydoc_data, ~100k tokens) from
+    `start` (a fraction of the text before which it begins, so different prompts read different
+    text)."""
     if filler == "repeat":
         one = tokenizer.encode(FILLER, add_bos=False)
         return (one * (n // len(one) + 1))[:n]
@@ -71,11 +73,12 @@ def filler_tokens(tokenizer, n: int, filler: str = "repeat") -> list[int]:
         text = _pydoc_tokens(tokenizer)
         if n > len(text):
             raise ValueError(f"the pydoc filler holds {len(text)} tokens, {n} were asked for")
-        return list(text[:n])
+        at = int(start * (len(text) - n))
+        return list(text[at:at + n])
     raise ValueError(f"filler must be one of {FILLERS}, got {filler!r}")
 
 
-def build_prompt(tokenizer, length: int, depth: float, key: str, filler: str = "repeat") -> list[int]:
+def build_prompt(tokenizer, length: int, depth: float, key: str, filler: str = "repeat", start: float = 0.0) -> list[int]:
     """Token ids of exactly `length` tokens with the key line at `depth` of the filler."""
     if not 0 <= depth <= 1:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
@@ -85,7 +88,7 @@ def build_prompt(tokenizer, length: int, depth: float, key: str, filler: str = "
     if n_fill < 0:
         raise ValueError(f"length {length} is shorter than the prompt without filler "
                          f"({len(head) + len(tail) + len(line)} tokens)")
-    fill = filler_tokens(tokenizer, n_fill, filler)
+    fill = filler_tokens(tokenizer, n_fill, filler, start)
     cut = round(depth * n_fill)
     return head + fill[:cut] + line + fill[cut:] + tail
 

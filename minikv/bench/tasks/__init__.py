@@ -11,7 +11,8 @@ Size of Your Long-Context Language Models?", COLM 2024, https://arxiv.org/abs/24
 templates, needle formats, key and value types, word lists (the `wonderwords` package) and its
 string_match_all metric. They are generated here, offline and deterministically from a seed; they
 are not RULER's own files. The essay haystack (Paul Graham's essays, a download) is replaced by
-RULER's noise haystack. Generators live in niah.py (passkey and the needle tasks) and
+natural text that ships with Python (`haystack="pydoc"`, pydoc_data's documentation); RULER's
+noise haystack is the default. Generators live in niah.py (passkey and the needle tasks) and
 aggregation.py (variable tracking, common and frequent words); fitting.py fits a prompt to its
 length.
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from .fitting import chat_frame
+from .fitting import HAYSTACKS, chat_frame, check_haystack
 
 
 @dataclass
@@ -34,6 +35,13 @@ class Instance:
     needles: list[tuple[int, int]] = field(default_factory=list)  # token spans in ids
     depths: list[float] = field(default_factory=list)
     query: str = ""
+    haystack: str = "noise"  # noise, pydoc (natural text), needle (distractors), or the task's own
+
+    @property
+    def key(self) -> str:
+        """The task as results name it: its haystack after an @ where the task has a choice of
+        haystacks and the natural-text one was used ("niah_single_1@pydoc")."""
+        return f"{self.task}@{self.haystack}" if self.haystack == "pydoc" else self.task
 
 
 def string_match_all(predictions: list[str], references: list[list[str]]) -> float:
@@ -65,17 +73,30 @@ def task_names() -> list[str]:
     return list(_registry())
 
 
-def make_instance(task: str, tokenizer, length: int, seed: int, chat: bool = True) -> Instance:
+def haystacks(task: str) -> tuple[str, ...]:
+    """The haystacks `task` can be built on: noise and pydoc for the tasks whose RULER haystack is
+    noise (passkey, niah_single_1, niah_multivalue, niah_multiquery); the task's own otherwise."""
+    return getattr(_registry()[task], "haystacks", ())
+
+
+def make_instance(task: str, tokenizer, length: int, seed: int, chat: bool = True, haystack: str = "noise") -> Instance:
     """One instance of `task`, exactly `length` tokens. chat=True wraps the task in the model's chat
     template (a user turn, then the assistant turn opened with the answer prefix); passkey always
-    uses its benchmark's plain prompt."""
+    uses its benchmark's plain prompt. haystack: "noise" or "pydoc" (natural text), for the tasks
+    that offer it (haystacks(task)); other tasks refuse "pydoc"."""
     tasks = _registry()
     if task not in tasks:
         raise ValueError(f"unknown task {task!r}; tasks: {', '.join(tasks)}")
     if not isinstance(length, int) or length < 1:
         raise ValueError(f"length must be a positive int, got {length!r}")
+    check_haystack(haystack)
     frame = chat_frame(tokenizer) if chat else ("", "")
-    return tasks[task](tokenizer, length, seed, frame)
+    if haystack == "noise":
+        return tasks[task](tokenizer, length, seed, frame)
+    if haystack not in haystacks(task):
+        raise ValueError(f"task {task!r} has no {haystack} haystack (tasks with one: "
+                         f"{', '.join(t for t in tasks if haystack in haystacks(t))})")
+    return tasks[task](tokenizer, length, seed, frame, haystack=haystack)
 
 
-__all__ = ["Instance", "make_instance", "postprocess", "string_match_all", "task_names"]
+__all__ = ["HAYSTACKS", "Instance", "haystacks", "make_instance", "postprocess", "string_match_all", "task_names"]

@@ -93,6 +93,38 @@ def fit(tokenizer, head: list[int], unit, needles: list[tuple[float, str]], tail
     return Fitted(ids, spans, depths, units_whole)
 
 
+# -- haystacks ---------------------------------------------------------------------------------
+
+# noise: RULER's repeated line ("The grass is green. ..."): every page of it looks alike, which
+# flatters page-level retrieval. pydoc: natural English documentation text (the standard library's
+# pydoc_data.topics, ~465 kB, no download), in paragraphs; the model was not tuned on it as filler
+# and its pages differ, as the essay haystack of RULER's niah_single_2 does.
+HAYSTACKS = ("noise", "pydoc")
+
+
+@functools.lru_cache(maxsize=1)
+def pydoc_paragraphs() -> tuple[str, ...]:
+    from pydoc_data.topics import topics
+
+    paragraphs = []
+    for key in sorted(topics):
+        paragraphs += [p.strip() for p in topics[key].split("\n\n") if p.strip()]
+    return tuple(paragraphs)
+
+
+def pydoc_unit(rng):
+    """unit(i): the i-th paragraph of pydoc text from a starting paragraph drawn from rng, wrapping
+    around, so instances of different seeds read different text."""
+    paragraphs = pydoc_paragraphs()
+    start = rng.randrange(len(paragraphs))
+    return lambda i: paragraphs[(start + i) % len(paragraphs)] + "\n\n"
+
+
+def check_haystack(haystack: str) -> None:
+    if haystack not in HAYSTACKS:
+        raise ValueError(f"unknown haystack {haystack!r}; haystacks: {', '.join(HAYSTACKS)}")
+
+
 # -- word lists (the wonderwords package RULER uses) -------------------------------------------
 
 

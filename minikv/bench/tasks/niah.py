@@ -18,7 +18,8 @@ import uuid
 
 from .. import passkey
 from . import Instance
-from .fitting import encode_head, encode_tail, fit, frame_text, rng_for, word_list
+from .fitting import HAYSTACKS
+from .fitting import encode_head, encode_tail, fit, frame_text, pydoc_unit, rng_for, word_list
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {type_v} for {key} is: {value}."
@@ -46,11 +47,13 @@ def draw(rng, kind: str) -> str:
     raise ValueError(kind)
 
 
-def niah(name: str, haystack: str, type_k: str, type_v: str, n_keys: int, n_values: int, n_queries: int,
+def niah(name: str, own: str, type_k: str, type_v: str, n_keys: int, n_values: int, n_queries: int,
          max_new_tokens: int):
-    """A RULER NIAH generator with these settings (the keys of RULER's synthetic.yaml)."""
+    """A RULER NIAH generator with these settings (the keys of RULER's synthetic.yaml). own: the
+    haystack of RULER's task ("noise", which the generator's `haystack` may replace by natural text,
+    or "needle": distractor needles)."""
 
-    def generate(tokenizer, length: int, seed: int, frame) -> Instance:
+    def generate(tokenizer, length: int, seed: int, frame, haystack: str = "noise") -> Instance:
         rng = rng_for(name, seed)
         keys = []
         while len(keys) < max(n_keys, n_queries):
@@ -70,11 +73,15 @@ def niah(name: str, haystack: str, type_k: str, type_v: str, n_keys: int, n_valu
             shown_v = type_v[:-1]  # "numbers" -> "number"
         head, tail = frame_text(frame, instruction.format(type_v=shown_v),
                                 question.format(type_v=shown_v, query=query), prefix.format(type_v=shown_v, query=query))
-        unit = noise_unit if haystack == "noise" else distractor_units(rng, type_k, type_v, set(keys))
+        if own == "needle":  # distractor needles are this task's haystack, whatever was asked
+            unit, used = distractor_units(rng, type_k, type_v, set(keys)), "needle"
+        else:
+            unit, used = (pydoc_unit(rng) if haystack == "pydoc" else noise_unit), haystack
         f = fit(tokenizer, encode_head(tokenizer, head), unit, list(zip(depths, needles)),
                 encode_tail(tokenizer, tail), length)
-        return Instance(name, seed, length, f.ids, answers, max_new_tokens, f.needles, f.depths, query)
+        return Instance(name, seed, length, f.ids, answers, max_new_tokens, f.needles, f.depths, query, used)
 
+    generate.haystacks = ("needle",) if own == "needle" else HAYSTACKS
     return generate
 
 
@@ -97,16 +104,23 @@ def distractor_units(rng, type_k: str, type_v: str, taken: set):
     return unit
 
 
-def passkey_task(tokenizer, length: int, seed: int, frame) -> Instance:
+def passkey_task(tokenizer, length: int, seed: int, frame, haystack: str = "noise") -> Instance:
     """The passkey benchmark's prompt, as it builds it (plain text, no chat turn): key drawn from
-    the seed, depth drawn from the seed too."""
+    the seed, depth drawn from the seed too; with the pydoc haystack, the filler is natural text
+    from a place drawn from the seed."""
     rng = rng_for("passkey", seed)
     key = passkey.draw_key(rng.randrange(2**31))
     depth = round(rng.random(), 3)
-    ids = passkey.build_prompt(tokenizer, length, depth, key)
+    if haystack == "pydoc":
+        ids = passkey.build_prompt(tokenizer, length, depth, key, "pydoc", start=rng.random())
+    else:
+        ids = passkey.build_prompt(tokenizer, length, depth, key)
     line = tokenizer.encode(passkey.needle(key), add_bos=False)
     start = next(i for i in range(len(ids) - len(line) + 1) if ids[i:i + len(line)] == line)
-    return Instance("passkey", seed, length, ids, [key], 8, [(start, start + len(line))], [depth], "pass key")
+    return Instance("passkey", seed, length, ids, [key], 8, [(start, start + len(line))], [depth], "pass key", haystack)
+
+
+passkey_task.haystacks = HAYSTACKS
 
 
 TASKS = {
