@@ -169,3 +169,26 @@ def test_include_of_a_second_minikv_run_keeps_one_full_row_and_each_runs_ratio(t
     merged = json.loads((out / "compare.json").read_text())
     assert [r["policy"] for r in merged["rows"]] == ["full", "freekv", "icecache"]
     assert [r["tpot_ratio"] for r in merged["rows"]] == [1.0, 0.5, 0.75]
+
+
+def test_cells_carry_their_95_percent_intervals_and_haystacks_are_named():
+    from minikv.bench.compare import task_haystacks
+
+    assert task_haystacks("niah_single_1", ["noise", "pydoc"]) == ["noise", "pydoc"]
+    assert task_haystacks("niah_multikey_2", ["noise", "pydoc"]) == ["noise"]  # its own distractors, once
+    assert task_haystacks("cwe", ["pydoc"]) == ["noise"]
+    result = fake_result()
+    hits = [100.0] * 18 + [0.0] * 2
+    for r in result["rows"]:
+        r["answers"] = [{"task": t, "score": s} for t in ("niah_single_1", "niah_single_1@pydoc")
+                        for s in (hits if r["policy"] == "full" else hits[::-1][:10] + [0.0] * 10)]
+        r["scores"] = {"niah_single_1": 90.0 if r["policy"] == "full" else 10.0,
+                       "niah_single_1@pydoc": 90.0 if r["policy"] == "full" else 10.0}
+        r["intervals"] = {t: [69.9, 97.2] if r["policy"] == "full" else [2.8, 30.1] for t in r["scores"]}
+    annotate(result)
+    full, free = result["rows"]
+    assert full["mean_ci"][0] < 90 < full["mean_ci"][1] and free["mean_ci"][1] < full["mean_ci"][0]
+    text = markdown(result)
+    assert "| niah_single_1 | niah_single_1@pydoc |" in text
+    assert "| full | all | 90 (70-97) | 90 (70-97) |" in text
+    assert "95% interval" in text and "natural text" in text

@@ -147,3 +147,32 @@ def test_full_kv_solves_a_short_niah_single_1(smollm2):
         result = generate(model, tok, inst.ids, policy="full", max_new_tokens=12)
         found += string_match_all([result.text], [inst.answers]) == 100.0
     assert found == 2
+
+
+@pytest.mark.parametrize("task", ["passkey", "niah_single_1", "niah_multivalue", "niah_multiquery"])
+def test_pydoc_haystack_is_natural_text_that_differs_by_seed(tok, task):
+    from pydoc_data.topics import topics
+
+    a, b = (make_instance(task, tok, 1200, seed, haystack="pydoc") for seed in (0, 1))
+    assert len(a.ids) == 1200 and (a.haystack, a.key) == ("pydoc", f"{task}@pydoc")
+    text = tok.decode(a.ids)
+    assert "The grass is green" not in text
+    corpus = "\n\n".join(topics.values())
+    lines = [line for line in text.splitlines() if len(line) > 60]
+    assert sum(line in corpus for line in lines) >= len(lines) // 2  # pydoc's own lines, cut at the ends
+    assert a.ids[200:400] != b.ids[200:400]  # another seed reads another place of the text
+    for ans in a.answers:  # the needle still holds the answer, once
+        assert sum(ans in tok.decode(a.ids[s:e]) for s, e in a.needles) == 1
+    noise = make_instance(task, tok, 1200, 0)
+    assert noise.haystack == "noise" and noise.key == task and "The grass is green" in tok.decode(noise.ids)
+
+
+def test_tasks_without_a_choice_of_haystack_refuse_pydoc(tok):
+    from minikv.bench.tasks import haystacks
+
+    assert haystacks("niah_multikey_2") == ("needle",) and haystacks("cwe") == ()
+    with pytest.raises(ValueError, match="no pydoc haystack"):
+        make_instance("niah_multikey_2", tok, 1000, 0, haystack="pydoc")
+    with pytest.raises(ValueError, match="unknown haystack"):
+        make_instance("passkey", tok, 1000, 0, haystack="essays")
+    assert make_instance("niah_multikey_2", tok, 1000, 0).haystack == "needle"
