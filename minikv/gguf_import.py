@@ -315,6 +315,7 @@ def import_gguf(path: str | Path, out_dir: Path | None = None, progress: bool = 
     sweep_stale_imports(out_dir.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=TMP_SUFFIX, dir=out_dir.parent))
     try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared by several users
         (tmp / OWNER).write_text(_owner())
         _convert(reader, path, cfg, shapes, tmp, progress)
         (tmp / OWNER).unlink()
