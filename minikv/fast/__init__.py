@@ -34,6 +34,7 @@ def apply(model: nn.Module, compile: bool = False) -> nn.Module:
     for m in model.modules():  # bfloat16 with AMX: pack now, not inside the first forward
         if isinstance(m, FastLinear):
             m.amx_packed()
+    model.compiled = None  # a fast/compiled.CompiledModel once compiled
     if compile:
         from .compiled import compile_decode  # imports inductor: only when asked
 
