@@ -2,12 +2,9 @@
 
 `load_model(path)` reads config.json and model.safetensors (or the shards a
 model.safetensors.index.json names). The model is built on the meta device and each tensor is
-read from the memory-mapped file straight into its parameter (`assign=True`). On the CPU each
-matrix is stored column-major (`matvec_layout`): one copy per tensor, made as it is read, for
-1.4x faster matrix-vector products in eager decoding (MKL's); a model loaded with compile=True
-keeps them row-major, as its compiled products read them. Then every CPU parameter moves into
-one mapping of transparent huge pages (hugepages.py), one tensor at a time, so that the weights
-are never held twice in full.
+read from the memory-mapped file straight into its parameter (`assign=True`), in the
+checkpoint's layout. Then, unless fast=False, minikv.fast applies the CPU speed layer (faster
+one-row products, weights in huge pages, the compiled decode step when asked).
 
 `import_gguf(path)` (gguf_import.py) converts a llama- or qwen2-architecture GGUF (the bundled SmolLM2 is
 one) into such a directory once, in a cache folder, and later calls reuse it.
@@ -26,9 +23,7 @@ import torch
 from .config import ModelConfig
 from .gguf_import import (GGUF_BLOCK_NAMES, GGUF_NAMES, cache_dir, gguf_config, gguf_tensors,  # noqa: F401
                           hf_name, import_gguf, open_gguf, unpermute_rows)
-from .hugepages import move_parameters
 from .models import DecoderLM, build_model
-from .models.layers import Linear
 
 from .packaged import SMOLLM2_GGUF, qwen25_coder_gguf_path, smollm2_gguf_path  # noqa: F401
 
@@ -76,25 +71,12 @@ def _weight_map(index: Path) -> dict[str, str]:
 
 def default_dtype(device: torch.device) -> torch.dtype:
     """bfloat16 on CUDA; float32 on the CPU. bfloat16 is the faster choice on a CPU with AMX,
-    where Linear multiplies on prepacked weights (decode 1.33x, prefill 3.2x faster than float32),
+    where minikv.fast multiplies on prepacked weights (decode 1.33x, prefill 3.2x faster than float32),
     and the slower one without (AVX512-BF16 alone: decode 1.3-1.4x slower eager; AVX2, converted
     in software: 1.2x slower), though it prefills 1.7-1.9x faster there. The default stays float32
     everywhere so that a greedy generation gives the same tokens on every CPU: `--dtype bfloat16`
     asks for the speed (README, "Speed")."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-def matvec_layout(w: torch.Tensor) -> torch.Tensor:
-    """The same matrix, stored column-major when it is float32 on the CPU.
-
-    A decode step is a chain of matrix-vector products x @ W.T. On the CPU, oneDNN/MKL run them
-    about 1.4x faster (the lm_head 1.7x) when W's storage is W.T contiguous, i.e. W column-major:
-    measured on SmolLM2's shapes, 2 threads, time per token 37 ms against 49. Shape, values and
-    state_dict() are unchanged; only the strides differ. bfloat16 runs slower that way (35 ms
-    against 31) and CUDA's cuBLAS is tuned for row-major: both keep the row-major layout."""
-    if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
-        return w
-    return w.t().contiguous().t()
 
 
 def resolve_device(device=None) -> torch.device:
@@ -117,12 +99,15 @@ def resolve_device(device=None) -> torch.device:
     return dev
 
 
-def load_model(path: str | Path, device=None, dtype=None, compile: bool = False) -> DecoderLM:
+def load_model(path: str | Path, device=None, dtype=None, compile: bool = False, fast: bool = True) -> DecoderLM:
     """The model of a Hugging Face style safetensors directory (no tokenizer: see load()).
 
-    compile=True: decode steps run compiled (models/compiled.py; some 20 s the first time, then
-    read from inductor's cache), with each matrix kept row-major, the layout its matrix-vector
-    loop reads best (copied into memory of its own by the move into huge pages). Where torch.compile cannot run, a line on stderr says so and decoding is eager."""
+    fast=False: the plain model of minikv/models, nothing applied. fast=True: minikv.fast's
+    speed layer applied (same logits to float rounding). compile=True (needs fast): decode steps
+    run compiled (fast/compiled.py; some 20 s the first time, then read from inductor's cache);
+    where torch.compile cannot run, a line on stderr says so and decoding is eager."""
+    if compile and not fast:
+        raise ValueError("compile=True needs the speed layer: it cannot be combined with fast=False (--plain)")
     path = Path(path)
     check_model_dir(path)
     cfg = ModelConfig.from_json(path)
@@ -149,8 +134,7 @@ def load_model(path: str | Path, device=None, dtype=None, compile: bool = False)
                         f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, "
                         f"config.json implies {tuple(expected[name])}"
                     )
-                tensor = tensor.to(dtype)
-                state[name] = tensor if compile else matvec_layout(tensor)
+                state[name] = tensor.to(dtype)
     missing = sorted(set(expected) - set(state))
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
@@ -158,15 +142,12 @@ def load_model(path: str | Path, device=None, dtype=None, compile: bool = False)
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight  # assign=True replaced the tied parameter
-    del state  # the parameters hold the tensors now: the move below frees each as it goes
-    if device.type == "cpu":
-        move_parameters(model)  # every parameter into huge pages (hugepages.py), read faster
-        for m in model.modules():  # bfloat16 with AMX: pack now, not inside the first forward
-            if isinstance(m, Linear):
-                m.amx_packed()
+    del state  # the parameters hold the tensors now: fast's move into huge pages frees each as it goes
     model.eval()
-    if compile:
-        model.compile_decode()
+    if fast:
+        from . import fast as speed
+
+        speed.apply(model, compile=compile)
     return model
 
 
@@ -254,18 +235,19 @@ def has_tokenizer(path: Path) -> bool:
             or ((path / "vocab.json").is_file() and (path / "merges.txt").is_file()))
 
 
-def load(name_or_path: str | Path, device=None, dtype=None, progress: bool = True, compile: bool = False):
+def load(name_or_path: str | Path, device=None, dtype=None, progress: bool = True, compile: bool = False,
+         fast: bool = True):
     """model, tokenizer = load("smollm2") or load("path/to/hf_dir") or load("file.gguf").
 
     A directory without tokenizer files is refused before any weight is read;
-    load_model(path) loads such a model alone. compile: see load_model."""
+    load_model(path) loads such a model alone. compile, fast: see load_model."""
     from .tokenizer import load_tokenizer
 
     path = resolve(name_or_path, progress)
     if not has_tokenizer(path):
         raise FileNotFoundError(f"no tokenizer in {path} (looked for {', '.join(TOKENIZER_FILES)}); "
                                 f"minikv.load_model({str(path)!r}) loads the model without one")
-    model = load_model(path, device=device, dtype=dtype, compile=compile)
+    model = load_model(path, device=device, dtype=dtype, compile=compile, fast=fast)
     return model, load_tokenizer(path)
 
 

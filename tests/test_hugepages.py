@@ -1,9 +1,9 @@
-"""hugepages.py: parameters and buffers in memory advised for transparent huge pages."""
+"""fast/hugepages.py: parameters and buffers in memory advised for transparent huge pages."""
 from pathlib import Path
 
 import torch
 
-from minikv import hugepages
+from minikv.fast import hugepages
 
 
 def thp_available() -> bool:
@@ -53,6 +53,20 @@ def test_move_parameters_keeps_values_strides_and_ties_in_one_advised_mapping():
         # advised (hg) and private (no sh: shared memory gets no transparent huge pages)
         flags = mapping_flags(params[0][1].data_ptr())
         assert flags is not None and "hg" in flags and "sh" not in flags
+
+
+def test_move_parameters_stores_the_chosen_matrices_column_major():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(70, 50), torch.nn.LayerNorm(50), torch.nn.Linear(50, 30))
+    x = torch.randn(4, 70)
+    out = model(x)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    hugepages.move_parameters(model, column_major=lambda p: p.shape == (50, 70))
+    assert model[0].weight.stride() == (1, 50) and model[2].weight.stride() == (50, 1)
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    ends = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in model.parameters())
+    assert all(e0 <= s1 for (_, e0), (s1, _) in zip(ends, ends[1:]))  # no overlap
+    torch.testing.assert_close(model(x), out, rtol=1e-5, atol=1e-6)
 
 
 def test_empty_puts_large_cpu_buffers_in_huge_pages_and_small_ones_in_the_allocator():

@@ -11,8 +11,6 @@ from minikv import loading
 from minikv.config import ModelConfig
 from minikv.models import build_model
 
-from .test_hugepages import mapping_flags, thp_available
-
 TINY = {
     "model_type": "llama", "vocab_size": 50, "hidden_size": 16, "intermediate_size": 24,
     "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
@@ -92,31 +90,6 @@ def test_roundtrip_and_dtypes(tmp_path):
     for name, w in loaded.state_dict().items():
         assert torch.equal(w, want[name]), name
     torch.testing.assert_close(loaded(ids), model(ids), rtol=1e-5, atol=1e-6)
-
-
-def test_float32_cpu_matrices_are_stored_column_major(tmp_path):
-    write_checkpoint(tmp_path)
-    loaded = loading.load_model(tmp_path, device="cpu", dtype=torch.float32)
-    linears = [m for m in loaded.modules() if isinstance(m, torch.nn.Linear)]
-    assert linears and all(m.weight.t().is_contiguous() for m in linears)
-    half = loading.load_model(tmp_path, device="cpu", dtype=torch.bfloat16)
-    assert all(m.weight.is_contiguous() for m in half.modules() if isinstance(m, torch.nn.Linear))
-    w = torch.randn(5, 3)
-    col = loading.matvec_layout(w)
-    assert col.shape == w.shape and col.stride() == (1, 5) and torch.equal(col, w)
-    assert loading.matvec_layout(torch.randn(4)).stride() == (1,)
-
-
-def test_cpu_parameters_are_loaded_into_huge_pages(tmp_path):
-    write_checkpoint(tmp_path, {**TINY, "tie_word_embeddings": True}, drop=("lm_head.weight",))
-    model = loading.load_model(tmp_path, device="cpu", dtype=torch.float32)
-    ptrs = sorted(p.data_ptr() for p in model.parameters())
-    # one mapping for all: the parameters lie within a span not much larger than their bytes
-    span = ptrs[-1] - ptrs[0]
-    assert span < sum(p.numel() * p.element_size() + 64 for p in model.parameters())
-    assert model.lm_head.weight is model.embed.weight  # still tied: copied once
-    if thp_available():
-        assert "hg" in mapping_flags(ptrs[0])
 
 
 def test_unpermute_inverts_llama_cpp_permute():

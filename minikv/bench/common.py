@@ -85,10 +85,10 @@ def measure_read_bandwidth(device="cpu", mbytes: int = 256, repeats: int = 5) ->
     median of `repeats` timed sums over a float32 tensor of `mbytes` MB, far larger than the CPU's
     caches, so that every byte comes from memory. This is the line a decode step, which reads
     every weight once, can at best reach. On the CPU the tensor is in transparent huge pages, as
-    the model's weights are (hugepages.py): both sides of the ratio read the same kind
+    the model's weights are (fast/hugepages.py): both sides of the ratio read the same kind
     of memory (huge pages read ~1.25x faster here than the allocator's)."""
     device = torch.device(device)
-    from ..hugepages import empty
+    from ..fast.hugepages import empty
 
     x = empty((mbytes * 2**20 // 4,), torch.float32, device).fill_(1.0)
     times = []

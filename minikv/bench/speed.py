@@ -254,13 +254,13 @@ def run(args) -> int:
         plot_context(rows, policies, args.png, title=f"{args.model}, {environment_line(model)}, {args.new_tokens} new tokens")
     write_json(args.json, {"benchmark": "speed", "model": args.model, "new_tokens": args.new_tokens,
                            "baseline": base, "read_bandwidth_gb_s": read_bw / 1e9,
-                           "compiled": model.compiled is not None, "rows": rows})
+                           "compiled": getattr(model, "compiled", None) is not None, "rows": rows})
     return 0
 
 
 def environment_line(model) -> str:
     where = "CUDA" if model.device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    compiled = ", compiled decode step" if model.compiled is not None else ""
+    compiled = ", compiled decode step" if getattr(model, "compiled", None) is not None else ""
     return f"{str(model.dtype).replace('torch.', '')}, {where}{compiled}"
 
 

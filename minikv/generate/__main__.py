@@ -61,6 +61,9 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true",
                    help="compile the decode step with torch.compile: faster per token, some 20 s to compile the "
                         "first time (then cached), needs a C++ compiler (README, Speed)")
+    p.add_argument("--plain", action="store_true",
+                   help="run the plain model of minikv/models, without the CPU speed layer of minikv/fast "
+                        "(same tokens to float rounding, slower; not with --compile)")
     p.add_argument("--threads", type=int, default=DEFAULT_THREADS,
                    help="torch CPU threads (default: %(default)s; on cores shared with other busy processes more "
                         "threads can make decoding many times slower, see the README)")
@@ -97,6 +100,8 @@ def check_args(args) -> str:
     check_common(args)  # --model --device --dtype --threads --policy
     check_sampling(args.temperature, args.top_k, args.top_p)
     check_positive("--max-new-tokens", args.max_new_tokens)
+    if args.plain and args.compile:
+        raise ValueError("--plain and --compile exclude each other: the compiled step is part of the speed layer")
     return read_prompt(args)
 
 
@@ -176,7 +181,8 @@ def main(argv=None) -> int:
     from ..loading import load
     from ..progress import progress_bar
 
-    model, tokenizer = load(args.model, device=args.device, dtype=args.dtype, compile=args.compile)
+    model, tokenizer = load(args.model, device=args.device, dtype=args.dtype, compile=args.compile,
+                            fast=not args.plain)
     printer = StreamPrinter(tokenizer, enabled=not args.json)
     bar = None
 

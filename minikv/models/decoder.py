@@ -31,15 +31,6 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.compiled = None  # a CompiledModel after compile_decode()
-
-    def compile_decode(self) -> bool:
-        """Compile the blocks' work around the policy and the output head for decode steps
-        (compiled.py). False, with a line on stderr, where torch.compile cannot run here."""
-        from .compiled import compile_decode
-
-        self.compiled = compile_decode(self)
-        return self.compiled is not None
 
     @property
     def device(self) -> torch.device:
@@ -74,21 +65,26 @@ class DecoderLM(nn.Module):
         cos, sin = self.rope.cos_sin(rope_positions.clamp(min=0))  # (B, T, rotary_dim)
         rope = (cos[:, None], sin[:, None])  # broadcast over heads
         x = self.embed(input_ids)  # (B, T, C)
-        if decoding and self.compiled is not None:
-            x = self.compiled.blocks(x, positions, rope, policy)
-        else:
-            for i, block in enumerate(self.blocks):
-                layer_kv = policy.layer(i) if policy is not None else None
-                x = block(x, positions, rope, layer_kv, decoding)
-                if progress is not None:
-                    progress(i + 1, len(self.blocks))
+        x = self.run_blocks(x, positions, rope, policy, decoding, progress)
         if logits_at is not None:
             x = x[torch.arange(B, device=x.device), logits_at]  # (B, C)
-        if self.compiled is not None and logits_at is not None:  # one row per sequence
-            logits = self.compiled.head(x)
-        else:
-            logits = self.lm_head(self.final_norm(x)).float()
+        logits = self.head(x)
         if policy is not None:
             # per-step bookkeeping sees the next-token distribution (entropy-guided recovery)
             policy.last_action = policy.end_step(logits if logits.dim() == 2 else logits[:, -1])
         return logits
+
+    # The blocks and the output head are methods of their own so that minikv.fast can replace
+    # them from outside on a model whose decode steps run compiled (fast/compiled.py).
+    def run_blocks(self, x, positions, rope, policy=None, decoding=False, progress=None):
+        """x (B, T, C) -> (B, T, C) through every block, each attending through its policy layer."""
+        for i, block in enumerate(self.blocks):
+            layer_kv = policy.layer(i) if policy is not None else None
+            x = block(x, positions, rope, layer_kv, decoding)
+            if progress is not None:
+                progress(i + 1, len(self.blocks))
+        return x
+
+    def head(self, x):
+        # x (..., C) -> logits (..., V) float32
+        return self.lm_head(self.final_norm(x)).float()

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from ..config import ModelConfig
 from .decoder import DecoderLM
-from .layers import Linear, PlainMLP, attend, merge_heads
+from .layers import PlainMLP, attend, merge_heads
 from .rope import apply_rotary
 
 
@@ -17,8 +17,8 @@ class GPTNeoXAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         C = cfg.hidden_size
-        self.query_key_value = Linear(C, 3 * C, bias=cfg.attention_bias)
-        self.dense = Linear(C, C, bias=cfg.attention_out_bias)
+        self.query_key_value = nn.Linear(C, 3 * C, bias=cfg.attention_bias)
+        self.dense = nn.Linear(C, C, bias=cfg.attention_out_bias)
 
     def project(self, x, rope):
         # x (B, T, C) -> q, k, v (B, H, T, D), q and k rotated at `rope`. The fused output is
@@ -70,7 +70,7 @@ class GPTNeoXForCausalLM(DecoderLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.gpt_neox = GPTNeoXModel(cfg)
-        self.embed_out = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.embed_out = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.embed_out.weight = self.gpt_neox.embed_in.weight
 

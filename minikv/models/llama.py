@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from ..config import ModelConfig
 from .decoder import DecoderLM
-from .layers import GatedMLP, Linear, RMSNorm, StackedLinear, attend, merge_heads, split_heads, stacked_in
+from .layers import GatedMLP, RMSNorm, StackedLinear, attend, merge_heads, split_heads, stacked_in
 from .rope import apply_rotary
 
 
@@ -23,7 +23,7 @@ class LlamaAttention(nn.Module):
         parts = {"q_proj": cfg.n_heads * D, "k_proj": cfg.n_kv_heads * D, "v_proj": cfg.n_kv_heads * D}
         self.qkv_proj = StackedLinear(C, parts, bias=cfg.attention_bias)
         stacked_in(self, "qkv_proj")
-        self.o_proj = Linear(cfg.n_heads * D, C, bias=cfg.attention_out_bias)
+        self.o_proj = nn.Linear(cfg.n_heads * D, C, bias=cfg.attention_out_bias)
 
     def project(self, x, rope):
         # x (B, T, C) -> q (B, Hq, T, D), k, v (B, Hkv, T, D); q and k rotated at `rope`
@@ -44,7 +44,7 @@ class LlamaBlock(nn.Module):
 
     # A block is three steps: `project` (norm, q/k/v, RoPE), the policy's attention, `finish`
     # (output projection, residual, MLP). The first and last are pure functions of tensors, so a
-    # compiled decode step (compiled.py) can compile them and leave the policy's Python eager.
+    # compiled decode step (minikv/fast/compiled.py) can compile them and leave the policy's Python eager.
     def forward(self, x, positions, rope, layer_kv, decoding):
         q, k, v = self.project(x, rope)
         y = attend(q, k, v, positions, layer_kv, self.self_attn.cfg.sliding_window, decoding)
@@ -74,7 +74,7 @@ class LlamaForCausalLM(DecoderLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.model = LlamaModel(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

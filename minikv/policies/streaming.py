@@ -46,7 +46,6 @@ from functools import lru_cache
 
 import torch
 
-from .. import hugepages
 from ..kernels.decode_attention import decode_attention
 from ..kernels.rope_delta import rope_delta
 from .base import LayerKV, Policy, dense_attention, param, register
@@ -92,8 +91,8 @@ class StreamingLayer(LayerKV):
         super().__init__(policy, index)
         B, cfg, p = policy.batch_size, policy.cfg, policy
         shape = (B, cfg.n_kv_heads, p.capacity, cfg.head_dim)
-        self.k = hugepages.empty(shape, p.dtype, p.tiers.device)  # slot i: RoPE(k_pre, i)
-        self.v = hugepages.empty(shape, p.dtype, p.tiers.device)
+        self.k = torch.empty(shape, dtype=p.dtype, device=p.tiers.device)  # slot i: RoPE(k_pre, i)
+        self.v = torch.empty(shape, dtype=p.dtype, device=p.tiers.device)
         self.n = 0  # cache length L
         self.events = 0  # prune events (Algorithm 1 reaching line 17)
         self.dropped = 0  # tokens dropped over all events

@@ -1,4 +1,4 @@
-"""The compiled decode step (models/compiled.py): the same logits as the eager step, for every
+"""The compiled decode step (fast/compiled.py): the same logits as the eager step, for every
 family and policy shape, with compiled code really running, and an eager fallback where
 torch.compile cannot run."""
 import re
@@ -6,13 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import minikv
 from minikv.loading import load_model
-from minikv.models import compiled as compiled_module
-from minikv.models.layers import matvec
+from minikv.fast import compiled as compiled_module
 from minikv.policies import make
 
 from ..fixtures import ITEMS_PROMPT, greedy_logits
@@ -37,16 +35,6 @@ def prefill_then_decode(model, ids):
     for t in range(7, T):
         steps.append(model(ids[:, t : t + 1], positions=torch.full((B, 1), t), policy=policy))
     return torch.cat(steps, dim=1)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matvec_equals_linear(dtype):
-    torch.manual_seed(0)
-    w, b, x = torch.randn(37, 61, dtype=dtype), torch.randn(37, dtype=dtype), torch.randn(1, 1, 61, dtype=dtype)
-    want = F.linear(x.float(), w.float(), b.float())
-    got = matvec(x, w, b)
-    assert got.shape == (1, 1, 37) and got.dtype == dtype
-    assert (got.float() - want).abs().max().item() <= (1e-5 if dtype == torch.float32 else 0.1)
 
 
 @pytest.mark.parametrize("name", RANDOM)

@@ -1,6 +1,7 @@
 """Logits equal those Hugging Face transformers computed (reference/models, made by
 reference/make_models.py): the random checkpoints of all four families to 1e-4 in float32, the
-real SmolLM2 to 1e-3, and bfloat16 within a stated tolerance."""
+real SmolLM2 to 1e-3, and bfloat16 within a stated tolerance. The plain model (fast=False) is
+pinned here; tests/models/test_fast.py holds the speed layer to it."""
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ def expected(name):
 @pytest.mark.parametrize("name", RANDOM)
 def test_random_checkpoint_logits_float32(name):
     ref = expected(name)
-    model = load_model(MODELS / name, device="cpu", dtype=torch.float32)
+    model = load_model(MODELS / name, device="cpu", dtype=torch.float32, fast=False)
     logits = model(ref["input_ids"])
     assert logits.shape == ref["logits"].shape
     assert (logits - ref["logits"]).abs().max().item() <= 1e-4
@@ -35,7 +36,7 @@ def test_random_checkpoint_logits_float32(name):
 @pytest.mark.parametrize("name", RANDOM)
 def test_random_checkpoint_logits_bfloat16(name):
     ref = expected(name)
-    model = load_model(MODELS / name, device="cpu", dtype=torch.bfloat16)
+    model = load_model(MODELS / name, device="cpu", dtype=torch.bfloat16, fast=False)
     logits = model(ref["input_ids"])
     assert logits.dtype == torch.float32  # logits always come back in float32
     assert (logits - ref["logits_bf16"]).abs().max().item() <= BF16_ATOL
@@ -47,7 +48,7 @@ def test_full_cache_decode_equals_one_forward(name):
     """Prefill 7 tokens, decode the rest one by one through the full cache: the logits of every
     step equal the full forward's (covers the sliding window and partial rotary paths)."""
     ref = expected(name)
-    model = load_model(MODELS / name, device="cpu", dtype=torch.float32)
+    model = load_model(MODELS / name, device="cpu", dtype=torch.float32, fast=False)
     ids = ref["input_ids"]
     B, T = ids.shape
     policy = make("full").bind(model.cfg, device="cpu", dtype=torch.float32, max_len=T, batch_size=B)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import torch
 
-from ... import hugepages
 from .pages_fast import SlotMap, build_slot_map
 from .search_fast import LevelLayout, build_layout
 
@@ -94,9 +93,9 @@ class DCIForest:
         # Triton scorer gathers key rows, so it keeps them row-major.
         rows = self.max_pages * P
         if backend == "eager":
-            self.slot_keys = hugepages.empty((H, D, rows), torch.float32, "cpu").zero_().transpose(1, 2)
+            self.slot_keys = torch.zeros((H, D, rows), dtype=torch.float32, device="cpu").transpose(1, 2)
         else:
-            self.slot_keys = hugepages.empty((H, rows, D), torch.float32, "cpu").zero_()
+            self.slot_keys = torch.zeros((H, rows, D), dtype=torch.float32, device="cpu")
         # |k|^2 and c in float64: sqrt(c^2 - |k|^2) of the longest keys, the ones MIPS is about,
         # takes the square root of a difference near 0, where float32 would lose ~1e-3
         self.sq = torch.zeros(H, capacity, dtype=torch.float64)  # |k|^2

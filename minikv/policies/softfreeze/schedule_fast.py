@@ -29,7 +29,6 @@ from __future__ import annotations
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from ... import hugepages
 
 NOT_FROZEN = torch.iinfo(torch.int64).max  # thaw_at of a token that is not frozen
 
@@ -87,7 +86,7 @@ class FreezeTiers:
         if n <= self.cap:
             return
         cap = min(self.N, max(n, 2 * self.cap))
-        kv = hugepages.empty((self.L, cap, 2, self.Hkv, self.D), self.p.dtype, self.p.tiers.device)
+        kv = torch.empty((self.L, cap, 2, self.Hkv, self.D), dtype=self.p.dtype, device=self.p.tiers.device)
         slots = torch.zeros((2, self.L, cap), dtype=torch.int64, device=kv.device)
         if self.cap:
             kv[:, : self.cap] = self.kv

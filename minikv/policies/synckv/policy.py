@@ -51,7 +51,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ... import hugepages
 from ...kernels.attention_topk import attention_topk
 from ...kernels.decode_attention import decode_attention
 from ...kernels.gathered_attention import gathered_attention
@@ -74,8 +73,8 @@ class SyncKVLayer(LayerKV):
         self.nq = torch.tensor([h * G + g for h in self.nr_heads for g in range(G)], device=dev)
         Hr, Hn, n = len(self.r_heads), len(self.nr_heads), policy.max_len
         self.ks, self.kd, self.W, self.R = policy.k_static, policy.k_dyn, policy.window, policy.ring
-        self.kr = hugepages.empty((1, Hr, n, D), policy.dtype, dev)  # R-heads: full KV, device
-        self.vr = hugepages.empty((1, Hr, n, D), policy.dtype, dev)
+        self.kr = torch.empty((1, Hr, n, D), dtype=policy.dtype, device=dev)  # R-heads: full KV, device
+        self.vr = torch.empty((1, Hr, n, D), dtype=policy.dtype, device=dev)
         self.keep = torch.ones(1, Hr, n, dtype=torch.bool, device=dev)  # False: static, never re-selected
         self.offload = policy.offload and Hn > 0  # False: "w/o initialization", slot = token index
         # NR-heads' device slots (with offloading): [0, ks) static, [ks, ks + kd) dynamic, then a

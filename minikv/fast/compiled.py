@@ -5,7 +5,7 @@ products and some fifty small operations (norms, views, RoPE, residuals, the MLP
 a few microseconds of Python and dispatch, and all of them on one thread. Compiling removes
 most of it: a block's `finish` (output projection, residual, norm, MLP, residual) and the
 next block's `project` (norm, q/k/v, RoPE) become one call into code that inductor generated,
-and the one-row products inside are written as multiply-and-sum (layers.matvec), which
+and the one-row products inside are written as multiply-and-sum (linear.matvec), which
 inductor emits as a loop over the weight's rows split over the threads, reading the weights
 faster than MKL's one-row SGEMM. The policy's attention stays eager between two such calls:
 policies are Python with counters and data-dependent choices, and every policy runs unchanged.
@@ -20,7 +20,9 @@ step (SmolLM2, one thread; README "Speed"). In exchange the caller keeps what gu
 check: the shapes and dtypes a graph was compiled for. Here the inputs of a step are fixed by
 the model's config, its dtype and the batch size, which keys the graphs (a new batch size
 compiles its own, some seconds; the first compile takes some 20 s on a 2-core CPU, later
-processes read inductor's disk cache). Opt in with `load(..., compile=True)` or `--compile`.
+processes read inductor's disk cache). Opt in with `load(..., compile=True)` or `--compile`;
+`install` then replaces the model's `run_blocks` (on decode steps) and `head` (on one row per
+sequence) from outside: the model's own code has no compiled branch.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import torch
 import torch._inductor
 import torch.nn as nn
 
-from .layers import attend
+from ..models.layers import attend
 
 
 def _project(a, x, cos, sin):
@@ -172,9 +174,10 @@ class CompiledModel:
 
 
 def compile_decode(model) -> CompiledModel | None:
-    """The model's compiled decode step, or None (with one line on stderr saying why) where
-    it cannot be compiled, e.g. without a C++ compiler: decoding then stays eager. On a
-    terminal, a line says that compiling has begun and one how long it took."""
+    """The model's compiled decode step, installed on it (`model.compiled`), or None (with one
+    line on stderr saying why) where it cannot be compiled, e.g. without a C++ compiler:
+    decoding then stays eager. On a terminal, a line says that compiling has begun and one how
+    long it took."""
     on_terminal = sys.stderr.isatty()
     if on_terminal:
         print("minikv: compiling the decode step (about 20 s the first time, a few once cached)", file=sys.stderr,
@@ -190,4 +193,23 @@ def compile_decode(model) -> CompiledModel | None:
         return None
     if on_terminal:
         print(f"minikv: decode step compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    install(model, compiled)
     return compiled
+
+
+def install(model, compiled: CompiledModel) -> None:
+    """Route the model's decode steps through `compiled`: instance attributes that shadow
+    DecoderLM.run_blocks and .head, falling back to them for prefill and whole-sequence logits."""
+    eager_blocks, eager_head = model.run_blocks, model.head  # the class's methods, bound
+
+    def run_blocks(x, positions, rope, policy=None, decoding=False, progress=None):
+        # x (B, T, C) -> (B, T, C); a decode step (T = 1) runs the compiled graphs
+        if decoding:
+            return compiled.blocks(x, positions, rope, policy)
+        return eager_blocks(x, positions, rope, policy, decoding, progress)
+
+    def head(x):
+        # x (B, C), one row per sequence -> logits (B, V) float32, compiled; else eager
+        return compiled.head(x) if x.dim() == 2 else eager_head(x)
+
+    model.run_blocks, model.head, model.compiled = run_blocks, head, compiled
