@@ -22,8 +22,8 @@ class FullLayer(LayerKV):
         B, cfg = policy.batch_size, policy.cfg
         shape = (B, cfg.n_kv_heads, policy.max_len, cfg.head_dim)
         device = policy.tiers.device
-        self.k = torch.empty(shape, dtype=policy.dtype, device=device)  # read whole every step
-        self.v = torch.empty(shape, dtype=policy.dtype, device=device)
+        self.k = torch.zeros(shape, dtype=policy.dtype, device=device)  # read whole every step
+        self.v = torch.zeros(shape, dtype=policy.dtype, device=device)
         self.lengths = torch.zeros(B, dtype=torch.int64, device=device)  # valid tokens per row
         self.longest, self.ragged = 0, False  # empty until the prefill
 

@@ -91,8 +91,8 @@ class StreamingLayer(LayerKV):
         super().__init__(policy, index)
         B, cfg, p = policy.batch_size, policy.cfg, policy
         shape = (B, cfg.n_kv_heads, p.capacity, cfg.head_dim)
-        self.k = torch.empty(shape, dtype=p.dtype, device=p.tiers.device)  # slot i: RoPE(k_pre, i)
-        self.v = torch.empty(shape, dtype=p.dtype, device=p.tiers.device)
+        self.k = torch.zeros(shape, dtype=p.dtype, device=p.tiers.device)  # slot i: RoPE(k_pre, i)
+        self.v = torch.zeros(shape, dtype=p.dtype, device=p.tiers.device)
         self.n = 0  # cache length L
         self.events = 0  # prune events (Algorithm 1 reaching line 17)
         self.dropped = 0  # tokens dropped over all events
@@ -287,7 +287,7 @@ class Streaming(Policy):
             self.inv_freq = self.rope.inv_freq.to(self.tiers.device)
             shape = (self.batch_size, self.cfg.n_kv_heads, self.capacity, self.cfg.head_dim)
             # one scratch for all layers (they run one after another): overlapping moves go through it
-            self.scratch = torch.empty(shape, dtype=self.dtype, device=self.tiers.device)
+            self.scratch = torch.zeros(shape, dtype=self.dtype, device=self.tiers.device)
         return StreamingLayer(self, index)
 
     def aux_bytes(self) -> tuple[int, int]:

@@ -86,7 +86,7 @@ class FreezeTiers:
         if n <= self.cap:
             return
         cap = min(self.N, max(n, 2 * self.cap))
-        kv = torch.empty((self.L, cap, 2, self.Hkv, self.D), dtype=self.p.dtype, device=self.p.tiers.device)
+        kv = torch.zeros((self.L, cap, 2, self.Hkv, self.D), dtype=self.p.dtype, device=self.p.tiers.device)
         slots = torch.zeros((2, self.L, cap), dtype=torch.int64, device=kv.device)
         if self.cap:
             kv[:, : self.cap] = self.kv

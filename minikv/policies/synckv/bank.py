@@ -28,8 +28,8 @@ class ContextBank:
         dev, D, pin = tiers.device, head_dim, tiers.pin
         self.tiers, self.offload = tiers, offload
         shape = (1, n_heads, slots if offload else max_len, D)
-        self.store_k = torch.empty(shape, dtype=dtype, device=dev)  # read every step
-        self.store_v = torch.empty(shape, dtype=dtype, device=dev)
+        self.store_k = torch.zeros(shape, dtype=dtype, device=dev)  # read every step
+        self.store_v = torch.zeros(shape, dtype=dtype, device=dev)
         if offload:
             self.bank_k = torch.empty(n_heads, max_len, D, dtype=dtype, pin_memory=pin)
             self.bank_v = torch.empty_like(self.bank_k, pin_memory=pin)

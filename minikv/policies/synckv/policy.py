@@ -73,8 +73,8 @@ class SyncKVLayer(LayerKV):
         self.nq = torch.tensor([h * G + g for h in self.nr_heads for g in range(G)], device=dev)
         Hr, Hn, n = len(self.r_heads), len(self.nr_heads), policy.max_len
         self.ks, self.kd, self.W, self.R = policy.k_static, policy.k_dyn, policy.window, policy.ring
-        self.kr = torch.empty((1, Hr, n, D), dtype=policy.dtype, device=dev)  # R-heads: full KV, device
-        self.vr = torch.empty((1, Hr, n, D), dtype=policy.dtype, device=dev)
+        self.kr = torch.zeros((1, Hr, n, D), dtype=policy.dtype, device=dev)  # R-heads: full KV, device
+        self.vr = torch.zeros((1, Hr, n, D), dtype=policy.dtype, device=dev)
         self.keep = torch.ones(1, Hr, n, dtype=torch.bool, device=dev)  # False: static, never re-selected
         self.offload = policy.offload and Hn > 0  # False: "w/o initialization", slot = token index
         # NR-heads' device slots (with offloading): [0, ks) static, [ks, ks + kd) dynamic, then a
