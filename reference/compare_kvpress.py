@@ -33,9 +33,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from minikv.bench.compare import BUDGETS, PRESETS  # noqa: E402
+from minikv.bench.compare import BUDGETS, PRESETS, task_haystacks  # noqa: E402
+from minikv.bench.intervals import interval  # noqa: E402
 from minikv.bench.common import text_ids  # noqa: E402
-from minikv.bench.tasks import make_instance, string_match_all, task_names  # noqa: E402
+from minikv.bench.tasks import HAYSTACKS, make_instance, string_match_all, task_names  # noqa: E402
 from minikv.loading import resolve, smollm2_gguf_path  # noqa: E402
 from minikv.tokenizer import load_tokenizer  # noqa: E402
 
@@ -114,14 +115,15 @@ def run_row(model, tok, name: str, budget: int | None, instances, long_ids, sett
         new, sizes, _, _ = run_prompt(model, inst.ids, press, inst.max_new_tokens, eos)
         text = tok.decode([t for t in new if t not in eos])
         score = string_match_all([text], [inst.answers])
-        scores.setdefault(inst.task, []).append(score)
-        answers.append({"task": inst.task, "seed": inst.seed, "answer": text, "score": score})
+        scores.setdefault(inst.key, []).append(score)
+        answers.append({"task": inst.key, "seed": inst.seed, "haystack": inst.haystack, "answer": text, "score": score})
         device += sizes
         seq += [len(inst.ids) - 1 + k for k in range(len(sizes))]
-        print(f"  {name} {budget} {inst.task} seed {inst.seed}: {score:.0f} {text.strip()[:40]!r}", file=sys.stderr,
+        print(f"  {name} {budget} {inst.key} seed {inst.seed}: {score:.0f} {text.strip()[:40]!r}", file=sys.stderr,
               flush=True)
     if instances:
-        row.update(scores={t: sum(v) / len(v) for t, v in scores.items()}, answers=answers,
+        row.update(scores={t: sum(v) / len(v) for t, v in scores.items()},
+                   intervals={t: list(interval(v)) for t, v in scores.items()}, answers=answers,
                    kv_mean_tokens=sum(device) / len(device), kv_peak_tokens=max(device),
                    kv_share_mean=sum(device) / sum(seq), kv_share_peak=max(d / s for d, s in zip(device, seq)),
                    recall=None)
@@ -144,6 +146,7 @@ def main() -> int:
     p.add_argument("--budget", type=int, nargs="+", default=BUDGETS)
     p.add_argument("--tasks", nargs="+", help="task subset (default all, and the long pass: 'long')")
     p.add_argument("--seeds", type=int, nargs="+")
+    p.add_argument("--haystack", nargs="+", choices=HAYSTACKS, help="as bench compare's --haystack (preset's)")
     p.add_argument("--length", type=int)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa",
@@ -157,7 +160,7 @@ def main() -> int:
     tasks = args.tasks or task_names() + ["long"]
     settings = {"preset": args.preset, "tasks": tasks, "attn": args.attn, "budgets": args.budget, "chat": True,
                 "length": args.length or preset["length"], "seeds": args.seeds or preset["seeds"],
-                "long_prompt": preset["long_prompt"], "long_steps": preset["long_steps"]}
+                "haystacks": args.haystack or preset["haystacks"], "long_prompt": preset["long_prompt"], "long_steps": preset["long_steps"]}
     for name in args.press:
         make_press(name, 0.5, 64)  # an unknown press fails before the model loads
 
@@ -169,7 +172,8 @@ def main() -> int:
     gguf = smollm2_gguf_path()
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
                                                  attn_implementation=args.attn).eval()
-    instances = [make_instance(t, tok, settings["length"], s) for t in tasks if t != "long" for s in settings["seeds"]]
+    instances = [make_instance(t, tok, settings["length"], s, haystack=h) for t in tasks if t != "long"
+                 for h in task_haystacks(t, settings["haystacks"]) for s in settings["seeds"]]
     long_ids = text_ids(tok, settings["long_prompt"] + settings["long_steps"]) if "long" in tasks else None
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown")
