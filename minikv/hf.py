@@ -5,43 +5,28 @@
         out = model.generate(input_ids, max_new_tokens=64)
     run.stats()                       # the policy's stats(), as minikv's own runtime reports them
 
-or, without a context manager, a cache to pass to `generate` (or to `model(...)` in your own loop)
-under the name the model's forward gives its Cache argument: `cache` from transformers 5.24,
-`past_key_values` before; `minikv.hf.cache_argument(model)` says which.
-
-    cache = minikv.hf.cache(model, "streaming:budget=512", max_new_tokens=64)
+    cache = minikv.hf.cache(model, "streaming:budget=512", max_new_tokens=64)  # or a cache
     out = model.generate(input_ids, **{minikv.hf.cache_argument(model): cache}, max_new_tokens=64)
 
-transformers is an optional extra (`pip install minikv[hf]`); this module is the only one that
-imports it, and only when it is imported itself.
+`cache_argument` names the forward's Cache argument: `cache` from transformers 5.24,
+`past_key_values` before. transformers is an optional extra (`pip install minikv[hf]`); only this
+module imports it, and only when it is imported itself. A transformers layer hands k and v to its
+cache and the query to its attention function; a policy needs both at once. Where to read what:
 
-How the model's attention reaches the policy. A transformers attention layer projects q, k, v,
-applies RoPE, hands k and v to its cache's `update(k, v, layer_idx)` and then calls the
-attention function registered under `config._attn_implementation` with the query and whatever
-the cache returned. The cache never sees the query, and the attention function never sees the
-cache; a policy needs both at once. So:
+    PolicyCache, PolicyLayer   a Cache that stores nothing: `update` notes the new k and returns
+                               it; get_seq_length counts the tokens seen; get_mask_sizes
+                               describes exactly what `update` returned
+    attention                  the "minikv" attention function (AttentionInterface): the
+                               policy's prefill or decode; plain SDPA without a PolicyCache
+    PolicyCache.begin, end     from hooks on the forward: bind the policy at the first forward,
+                               hand the next-token logits to `policy.end_step` after each
+    _rope_positions            a hook on the rotary embedding: `policy.rope_positions` (streaming)
+    PolicyRun.generate         a rewind (softfreeze's rewalk) restarts `generate` from the kept
+                               tokens, same cache; in a loop of your own, read `cache.last_action`
 
-  * `PolicyCache` (a transformers `Cache`) stores nothing: each layer's `update` notes the new k
-    and returns it unchanged; `get_seq_length` counts the tokens the policy has seen, which is
-    where positions continue; `get_mask_sizes` describes exactly what `update` returned (the new
-    tokens, offset by the tokens seen), so masks and keys always agree in size.
-  * the attention function "minikv" (registered with transformers' AttentionInterface) receives
-    the query, the keys `update` just returned (checked by identity, so a layer never attends
-    with another layer's keys) and `module.layer_idx`, and calls the policy's
-    `layer(i).prefill(q, k, v, positions)` or `.decode(...)`; the policy masks itself, so the
-    mask transformers builds is not used (a padding mask is refused). Called without a
-    PolicyCache it is plain SDPA, so the model works as before with any other cache.
-  * hooks on the model's forward bind the policy at the first forward (batch, prompt length,
-    dtype, device are known only then), and after every forward hand the next-token logits to
-    `policy.end_step`, as minikv's generation loop does. They find the PolicyCache among the
-    forward's arguments by its type, not by the argument's name, which transformers changed
-    (`past_key_values` until 5.23, `cache` from 5.24); the one name the adapter must write, to
-    hand the cache to `generate`, it reads from the forward's signature (`cache_argument`).
-  * a policy that renumbers positions (streaming) tells the model at which positions to rotate q
-    and k (`policy.rope_positions`): a hook on the model's rotary embedding substitutes them.
-  * a policy that rewinds (softfreeze's rewalk) removes the KV of the last n tokens; inside
-    `minikv.hf.policy`, `generate` is restarted from the kept tokens with the same cache, which is
-    what minikv's own loop does. In a loop of your own, read `cache.last_action`.
+Decisions (docs/design.md, "The flow of one request"): attention checks by identity that its keys
+are those `update` just returned; the policy masks itself, so a padding mask is refused; the hooks
+find the PolicyCache by its type, not by the argument's name, which transformers changed in 5.24.
 """
 from __future__ import annotations
 

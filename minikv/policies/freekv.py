@@ -6,45 +6,26 @@ page bounds of "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Infer
 et al., ICML 2024; https://arxiv.org/abs/2406.10774) and "ArkVale: Efficient Generative LLM
 Inference with Recallable Key-Value Eviction" (R. Chen et al., NeurIPS 2024).
 
-The full KV cache is offloaded to the host tier in pages of 32 tokens (paged.py); the device tier
-keeps the sink pages, the recent window and, per KV head, the `budget` worth of pages chosen by
-a Quest-style selection:
+The KV cache goes to the host tier in pages of P = 32 tokens; the device keeps the sink pages, the
+recent window and, per KV head, the K pages selected for the query. Where to read what:
 
-  * page score per query head, P_h[n] = sum_d max(q_d lo_{n,d}, q_d hi_{n,d}), over per-channel
-    key boxes (ArkVale's box by default, Quest's min/max as an option), and *group-consistent
-    selection*: softmax over pages per query head, mean over the GQA group, top-k per KV head, so
-    that a group reads one set of pages (kernels/page_scores; the paper's
-    S_m = sum_j softmax(P_{(m-1)G+j}) / G).
-  * speculative retrieval: step t attends with the pages selected with q_{t-1}; selection with
-    q_t and the recall of its missing pages run *after* step t's attention, for step t + 1 (on
-    CUDA the copy overlaps the rest of the forward on a side stream, while the choice of pages
-    waits for its top-k on the host: paged.py says exactly what overlaps).
-  * fine-grained correction: per KV head m, C_m = mean over the group of cos(q_t, q_{t-1}); where
-    C_m < tau the head's pages are selected with q_t and recalled *before* attention. If any head
-    needs it, the selection runs once for all KV heads and the others reuse it for the background
-    recall (as the paper does).
+    FreeKVLayer.prefill   dense attention over the prompt, the prompt paged, the first selection
+    FreeKVLayer.select    page scores P_h[n] = sum_d max(q_d lo_{n,d}, q_d hi_{n,d}), then the
+                          group-consistent top-K per KV head, S_m = sum_j softmax(P_{(m-1)G+j}) / G
+                          (kernels/page_scores)
+    FreeKVLayer.decode    speculative retrieval: step t attends with the pages selected with
+                          q_{t-1}, and after attention recalls q_t's pages in the background for
+                          step t + 1; correction: a KV head whose C_m = mean over the group of
+                          cos(q_t, q_{t-1}) is below tau is reselected with q_t and recalled first
+    paged.HostPages       host pages and their digests lo, hi (paged.page_digest)
+    paged.PagedKV         sink, window and selected slots; a recall copies only missing pages
 
-`speculative=off` is plain Quest-style retrieval on the same machinery: select with q_t and recall
-before every attention. Layers below `skip_layers` keep full KV. Prefill attention is dense over
-the prompt (as Quest and FreeKV); retrieval governs decoding. Decision where the paper is vague:
-the page softmax uses the attention scale 1/sqrt(D) on P_h, as the page's would-be attention logit.
-
-Budget and window (DESIGN.md): `window` is a token count, and the last `window` tokens are always
-attended, never fewer: the device ring holds window / P full pages plus the partly filled last
-page, so it reads between window + 1 and window + P recent tokens. `budget` is the most tokens per
-KV head per layer that attention reads on the device, so budget = sink + window + P (the partial
-page) + P * (selected pages).
-
-Backends: `reference` runs every operation by its reference and reads the device pool by
-gathering its pages, then dense attention (kernels/paged_attention/reference.py); `eager` reads
-the pool in place (pool.pool_attention, the fast CPU form, tested against the reference);
-`triton` runs the kernels. The policy keeps no clock: bench speed times `select` and the
-storage's `recall` from outside (bench/probes.py).
-
-The digest. Post-RoPE keys of the fast-rotating channels sweep most of their range within a page,
-so Quest's min/max box is wide for every page and can hide the one page that matters; ArkVale's box
-(centre +- mean |k - centre|) is tighter and is what FreeKV's system code uses. The README's passkey
-table measures both on SmolLM2: arkvale matches full KV where min/max misses keys.
+Decisions (docs/design.md, "freekv"): ArkVale's box is the default digest, Quest's min/max an
+option; the page softmax scales P_h by 1/sqrt(D); one selection serves every KV head of a step;
+the last `window` tokens are always read, so budget = sink + window + P (the partly filled last
+page) + P K. speculative=False is plain Quest: select with q_t and recall before every attention.
+Layers below `skip_layers` keep full KV. Backends: `reference` gathers the device pages and
+attends densely, `eager` reads the pool in place (pool.pool_attention), `triton` runs the kernels.
 """
 from __future__ import annotations
 

@@ -1,39 +1,33 @@
 """Paged KV storage of one layer for the page-based policies (freekv; icecache with its own
 candidate store): a device page pool (pool.py) plus a store of candidate pages.
 
-A sequence's tokens fall into logical pages of P tokens: page p holds tokens [p P, (p + 1) P).
-Three kinds of pages, each with its own home:
+Page p holds tokens [p P, (p + 1) P). Three kinds of pages, each with its own home:
 
-    sink pages      pages 0 .. n_sink-1: stay on the device tier for good, read by every step
-    window pages    the n_window most recent pages, the last one partly filled: on the device
-                    tier, in a ring of slots; when the last page fills up and the ring is full,
-                    the oldest window page is *offloaded* into the candidate store, after which
-                    it is a *candidate*. So attention reads between (n_window - 1) P + 1 and
-                    n_window P of the latest tokens: a policy that promises a window of W tokens
-                    asks for W / P + 1 pages
-    candidates      pages that left the window, on the host tier; `recall` brings a chosen few
-                    per KV head back into n_select device slots
+    sink pages      pages 0 .. n_sink-1: on the device tier for good, read at every step
+    window pages    the n_window latest pages, the last one partly filled: a ring of device
+                    slots; attention reads between (n_window - 1) P + 1 and n_window P recent
+                    tokens, so a window of W tokens takes W / P + 1 pages
+    candidates      pages that left the window, on the host tier; a chosen few per KV head come
+                    back into n_select device slots
 
-Device tier: a PagePool of S = n_sink + n_select + n_window slots, in that order; the sink and
-window slots hold the same page for all heads, the selected slots a page per head.
+Where to read what:
 
-Candidate store (HostPages here, freekv's): host (max_pages, Hkv, 2, P, D), HND (FreeKV's CPU
-layout), candidate c (page n_sink + c) of KV head m at host[c, m], so that one page of one head,
-keys and values, is one contiguous block of 2 P D elements: a recall copies whole blocks. Digests
-(1, Hkv, max_pages, D) lo and hi, computed when a page is offloaded: Quest's per-channel min and
-max of the page's keys ("minmax"), or ArkVale's box around the centre, centre +- mean |k - centre|
-("arkvale"). Another store (icecache's semantic pages) answers the same four calls: offload,
-host, lens, page_tokens.
+    PagedKV.prefill, append        the prompt, then one token into the partly filled last page
+    PagedKV.roll                   the last page filled and the ring is full: the oldest window
+                                   page is offloaded and becomes a candidate
+    PagedKV.recall, _copy_in       incremental recall: only pages not already resident are
+                                   copied, into the slots of pages that left the selection
+                                   (pool.refill), through Tiers.copy_in
+    PagedKV.attend, read_indices   attention over every occupied slot; the tokens it read
+    HostPages                      freekv's store: host (max_pages, Hkv, 2, P, D), HND, so one
+                                   page of one head is one contiguous block of 2 P D elements
+    page_digest                    lo, hi per channel: Quest's min/max or ArkVale's box
 
-Recall is incremental: given a new selection per KV head, only the pages not already resident are
-copied, into the slots of resident pages that fell out of the selection (pool.refill). The choice
-of pages runs on the main stream and the host waits for its result (`.cpu()`, one small sync per
-layer on CUDA): the slot bookkeeping is host-side. The copy goes through Tiers.copy_in: gather
-into a pinned staging buffer, one host-to-device transfer and the HND -> NHD scatter, on the side
-stream for a background recall (it overlaps the rest of the forward) or on the main stream for a
-correction, every recall ordered after the previous one into the same pool; `attend` waits for the
-last. On the CPU the steps run in order (host and device are both CPU memory: the copies happen
-and are counted, nothing is saved).
+Decisions (docs/design.md, "freekv"): the pool holds S = n_sink + n_select + n_window slots in
+that order; sink and window slots hold the same page for every head, selected slots a page per
+head. Slot bookkeeping is host-side (one small sync per layer on CUDA). Under CUDA a background
+recall runs on a side stream, a correction on the main one; `attend` waits for the last. Another store fits
+if it answers offload, host, lens and page_tokens (icecache's semantic pages do).
 """
 from __future__ import annotations
 

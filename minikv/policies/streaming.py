@@ -1,43 +1,31 @@
 """streaming: StreamingLLM's Start+Recent cache with Lazy Pruning, Slack and Max_Drop.
 
 Paper: "Efficient KV Cache Management for Long-Context LLM Inference: Lazy Pruning, Slack, and
-Staged Eviction" (anonymous authors, under review; no public link yet), on top of "Efficient Streaming Language Models with Attention Sinks" (StreamingLLM;
-G. Xiao, Y. Tian, B. Chen, S. Han, M. Lewis; ICLR 2024; https://arxiv.org/abs/2309.17453).
+Staged Eviction" (anonymous authors, under review; no public link yet), on top of "Efficient
+Streaming Language Models with Attention Sinks" (StreamingLLM; G. Xiao, Y. Tian, B. Chen, S. Han,
+M. Lewis; ICLR 2024; https://arxiv.org/abs/2309.17453).
 
-Each layer keeps its keys (after RoPE) and values in one preallocated buffer of L tokens: the
-first S "sink" tokens, then a contiguous block of the most recent tokens. After every step the
-layer observes L and runs Algorithm 1 (`prune_target`): with C = S + W the soft capacity (Eq. 1,
-extra budget B = 0) and H = C + slack the hard cap (Eq. 7), nothing happens until the overflow
-L - C reaches R (lazy pruning, Eq. 5-6; R = 0 never prunes); then the cache keeps the sinks and
-the most recent L* - S tokens, L* = C, or min(max(L - max_drop, C), H) with Max_Drop (Eq. 8).
+Each layer keeps its keys (after RoPE) and values in one preallocated buffer of L tokens: the S
+sink tokens, then a contiguous block of the most recent ones. Where to read what:
+
+    prune_target                  Algorithm 1: C = S + W (Eq. 1, extra budget B = 0), H = C +
+                                  slack (Eq. 7); nothing until the overflow L - C reaches R (Eqs.
+                                  5-6; R = 0 never prunes), then keep C tokens, or
+                                  min(max(L - max_drop, C), H) with Max_Drop (Eq. 8)
+    StreamingLayer._compact       lines 17-18: keep the sinks and the latest tokens; the recent
+                                  block moves left and its keys rotate by one constant delta
+                                  (Eq. 4, kernels/rope_delta)
+    StreamingLayer.decode         store at slot L, attend, then prune (_after_step)
+    schedule, _streaming_prefill  the prompt, attended as if fed one token at a time
+    Streaming.rope_positions      where the model rotates a new q and k: the slot L it takes
+
 The plain StreamingLLM baseline is R = 1, slack = 0, max_drop = 0.
 
-Positions. A token's *cache position* is its slot: the sinks sit at 0..S-1, the recent block at
-S..L-1. The model asks `rope_positions` where to rotate a new token's q and k, and this policy
-answers with the slot the token is about to take, L: each new key is rotated once, at the
-position where it will be read, whatever its absolute position p (10^7 and beyond). Rotating at
-p and then back by (L - p) would not do: in float32 the angle p * inv_freq alone is off by up to
-p * 6e-8 radians, 0.6 at p = 10^7. On every prune the whole recent block moves to the left by the
-number of dropped tokens, so its keys are rotated by that one small constant delta (Eq. 4;
-rotations compose, R(a) R(b) = R(a + b), so the pre-RoPE key is never needed). Invariant, which
-the tests check at p near 10^7: slot i holds RoPE(k_pre, i). Attention only ever sees positions
-< C + R.
-
-When pruning happens. After attention, at the end of each layer's step, as in StreamingLLM's
-evaluation loop (the cache is pruned after each forward, before the next one reads it). So
-attention reads at most C + R tokens (R >= 1): that is this policy's `budget` in DESIGN.md's
-sense, and what `budget=N` sets (window = N - sink - R). Peak memory is C + R slots per layer.
-
-Prefill. The prompt is processed *as if it were fed one token at a time*: query t attends to
-exactly the tokens, at exactly the cache positions, that token-by-token decoding would give it.
-Algorithm 1 depends only on lengths, never on content, so that schedule is known in advance
-(`schedule`). Recent keys keep their relative distances under a constant shift, so they are scored
-with q and k as given; only the sinks need q at its cache position. Without this, a 3k-token
-prompt would be read with full attention and a 256-token "StreamingLLM" would still see all of it.
-
-Precision. Every prune rotates every recent key once more; each rotation rounds in the cache's
-dtype. Float32 drifts by ~1e-7 per rotation (harmless); bfloat16 by ~4e-3, which after thousands
-of prunes (R = 1) is noticeable. Lazy pruning divides the number of rotations by ~R.
+Decisions (docs/design.md, "streaming"): a new key is rotated once, at its cache position, never
+at its absolute position and back; invariant, tested near p = 10^7: slot i holds RoPE(k_pre, i).
+Pruning runs after attention, at the end of each layer's step, so attention reads at most C + R
+tokens: that is `budget`, and budget=N sets window = N - sink - R. The prefill replays Algorithm
+1 (it depends on lengths only), so a long prompt is never read whole by a short cache.
 """
 from __future__ import annotations
 

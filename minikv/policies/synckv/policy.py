@@ -4,45 +4,29 @@ Paper: "SyncKV: A Syncopated Scheduling Approach to KV Cache Compression for Eff
 Long-Context LLM Inference", anonymous authors, ICLR 2026 submission (withdrawn),
 https://openreview.net/forum?id=542c8KxeQt (no arXiv version, no public code).
 
-The idea: the KV heads of a layer attend to much the same tokens (intra-layer similarity), and
-the set they attend to drifts slowly (temporal locality). So an offline clustering (Sec. 4.1;
-synckv/clusters.py, `python -m minikv.bench cluster-heads`) groups each layer's KV heads into N_r
-clusters and names one representative head (R-head) per cluster. Then, per layer:
+An offline clustering (Sec. 4.1; clusters.py, `python -m minikv.bench cluster-heads`) groups each
+layer's KV heads into N_r clusters, each with a representative head (R-head); the others are
+NR-heads. Where to read what (Algorithm 1's lines):
 
-  prefill (Sec. 4.2, Algorithm 1 lines 9-17): dense attention over the prompt. R-heads keep their
-    full KV on the device; the other heads' (NR-heads') KV is offloaded whole to the host tier
-    (the "context bank"), and the prompt's last tokens also stay on the device as the start of
-    the recent window. I_0 = the top k of the R-head's attention from the last prompt token
-    among the tokens before the window (Eq. 3), split into the static set (the best ceil(rho k),
-    on the device for good) and the initial dynamic set (the other floor((1 - rho) k) = k_dyn;
-    Eq. 4).
-  decode: R-heads attend over their full KV (line 22); NR-heads attend over static + dynamic +
-    the recent window, through kernels/gathered_attention (line 24). Every m-th step is an
-    *anticipation* step (Eqs. 5-7, lines 26-31): after attention, the R-head's attention of this
-    step (max-pooled over its GQA group, App. B.1; kernels/attention_topk) picks the top k_dyn
-    tokens among those not static and before the window, and the cluster's KV of those tokens
-    comes from the host into the dynamic slots, for the following steps. The other steps are
-    *suspension* steps (Eq. 8, lines 33-35): no selection, no transfer.
+    SyncKVLayer.prefill      lines 9-17: dense attention; R-heads keep their full KV on the
+                             device, the NR-heads' KV goes whole to the host (bank.ContextBank)
+    SyncKVLayer.initialize   Eqs. 3-4: I_0 = the top k of the R-head's attention from the last
+                             prompt token (kernels/attention_topk), split by rho into the static
+                             and the initial dynamic set
+    SyncKVLayer.decode       line 22: R-heads over their full KV; line 24: NR-heads over static
+                             + dynamic + window (kernels/gathered_attention); every m-th step
+                             anticipates, the others are suspension steps (Eq. 8, lines 33-35)
+    SyncKVLayer.anticipate   Eqs. 5-7, lines 26-31: the R-head's top k_dyn, max-pooled over its
+                             GQA group (App. B.1), among the candidates; `fetch` copies them in
+    SyncKV.split             k = budget less the window ring's slots, into static and dynamic
 
-Decisions (DESIGN.md "synckv"): the clustering unit is the KV head; Mem% counts R-heads at full
-length. The recent window: the last `window` (32) tokens, whatever their origin (the prompt's
-tail at the first steps, then generated tokens), are on the device for every head and read at
-every step. A token leaves the window only at a selection point (the prefill, an anticipation
-step), when the R-head can judge it: it joins the candidates of that selection (generated tokens
-are copied to the bank then; the bank holds the whole prompt from the prefill), so no token is
-ever out of an NR-head's sight without having been a candidate. Between two anticipations the
-window therefore grows from `window` to `window` + m - 1 tokens, and budget = the most tokens an
-NR-head reads on the device = k + window + m - 1, k = static + dynamic (w/o anticipation, tokens
-leave the window at every step: budget = k + window). Where the paper is silent:
-a cluster's NR-heads read their own cluster's sets (Sec. 4.3, "uniformly loaded for their
-cluster"); the dynamic set is chosen among tokens not already on the device (static, window), so
-no token is read twice; a fetch copies only tokens the dynamic slots do not already hold.
-
-Ablations of Table 3: `offload=off` is "w/o initialization" (nothing leaves the device: NR-heads
-read the same sets from their full device KV), `anticipation=off` "w/o anticipation" (the dynamic
-set stays I_{D,0}), `m=1` "w/o suspension". On CUDA the fetch runs on a side stream (host gather
-into a pinned staging buffer, one copy, a scatter into the slots) and the next step's NR attention
-waits on its event; on the CPU it runs in order.
+Decisions (docs/design.md, "synckv"): the clustering unit is the KV head; Mem% counts R-heads at
+full length. The last `window` tokens, whatever their origin, are read by every head at every
+step; a token leaves the window only at a selection point (`slide_window`), as a candidate, so
+between anticipations the window grows to window + m - 1 tokens and budget = k + window + m - 1.
+NR-heads read their own cluster's sets; the dynamic set is chosen among tokens not on the device
+already. Table 3's ablations: offload=False is "w/o initialization", anticipation=False "w/o
+anticipation", m=1 "w/o suspension".
 """
 from __future__ import annotations
 
