@@ -26,8 +26,8 @@ Where to read what:
 Decisions (docs/design.md, "freekv"): the pool holds S = n_sink + n_select + n_window slots in
 that order; sink and window slots hold the same page for every head, selected slots a page per
 head. Slot bookkeeping is host-side (one small sync per layer on CUDA). Under CUDA a background
-recall runs on a side stream, a correction on the main one; `attend` waits for the last. Another store fits
-if it answers offload, host, lens and page_tokens (icecache's semantic pages do).
+recall runs on a side stream, a correction on the main one; `attend` waits for the last. Another
+store fits if it answers offload, host, lens and page_tokens (icecache's semantic pages do).
 """
 from __future__ import annotations
 
