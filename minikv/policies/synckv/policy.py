@@ -290,7 +290,8 @@ class SyncKV(Policy):
         self.k_static, self.k_dyn = self.split(self.budget - self.ring)
 
     def split(self, k: int) -> tuple[int, int]:
-        """k selected slots -> (k_static, k_dyn), Eq. 6: k_dyn = floor((1 - rho) k)."""
+        """k selected slots -> (k_static, k_dyn): the split of Eq. 4, with k_dyn = floor((1 - rho) k) as
+        defined under Eq. 6."""
         k_dyn = math.floor((1.0 - self.rho) * k + 1e-9)
         return k - k_dyn, k_dyn
 
