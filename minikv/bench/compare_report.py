@@ -131,8 +131,10 @@ def markdown(result: dict) -> str:
                           _cell(r.get("recall"), ".3f")])
         for b, rec in sorted(result.get("oracle", {}).items(), key=lambda kv: int(kv[0])):
             lines.append(["oracle (best top-b)", str(b)] + ["-"] * 7 + [_cell(rec, ".3f")])
-        parts.append(f"### Long prompt: {s.get('long_prompt', '?')} tokens of pydoc_data.topics, then "
-                     f"{s.get('long_steps', '?')} tokens fed one at a time\n\n" + _table(header, lines) +
+        title = (f"### Long prompt: {s.get('long_prompt', '?')} tokens of pydoc_data.topics, then "
+                 f"{s.get('long_steps', '?')} tokens fed one at a time" if any(r.get("long") for r in long_rows)
+                 else "### Attention recall (no long pass in this run)")
+        parts.append(title + "\n\n" + _table(header, lines) +
                      "\n\nPPL over the tokens fed one at a time; attention recall over every decode step of the "
                      "tasks (layers that report attended_indices); oracle: the best b tokens per KV head under "
                      "full KV's attention.")
