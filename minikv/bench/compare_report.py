@@ -62,7 +62,14 @@ def annotate(result: dict) -> None:
 
 
 def label(r: dict) -> str:
-    return r["policy"] if r.get("source", "minikv") == "minikv" else f"{r['policy']} ({r['source']})"
+    """The row's policy, with the parameters its spec sets besides the budget (its own column):
+    two variants of one policy at one budget must not read alike."""
+    if r.get("source", "minikv") != "minikv":
+        return f"{r['policy']} ({r['source']})"
+    _, _, params = (r.get("spec") or r["policy"]).partition(":")
+    in_column = r.get("budget") is not None  # a budget the spec sets itself is not in the column
+    extra = [p for p in params.split(",") if p.strip() and not (in_column and p.strip().startswith("budget="))]
+    return r["policy"] + (f":{','.join(extra)}" if extra else "")
 
 
 def _cell(value, spec: str = ".1f") -> str:

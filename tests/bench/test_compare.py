@@ -192,3 +192,12 @@ def test_cells_carry_their_95_percent_intervals_and_haystacks_are_named():
     assert "| niah_single_1 | niah_single_1@pydoc |" in text
     assert "| full | all | 90 (70-97) | 90 (70-97) |" in text
     assert "95% interval" in text and "natural text" in text
+
+
+def test_variants_of_one_policy_are_labelled_by_their_parameters():
+    from minikv.bench.compare_report import label
+
+    assert label({"policy": "freekv", "spec": "freekv:page_size=16,budget=256", "budget": 256}) == "freekv:page_size=16"
+    assert label({"policy": "freekv", "spec": "freekv:budget=256", "budget": 256}) == "freekv"
+    assert label({"policy": "synckv", "spec": "synckv:budget=512", "budget": None}) == "synckv:budget=512"
+    assert label({"policy": "snapkv", "source": "kvpress", "spec": "x"}) == "snapkv (kvpress)"
