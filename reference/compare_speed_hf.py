@@ -62,7 +62,7 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     model, tok = minikv.load("smollm2", device="cpu", dtype=torch.float32)
     models = {"minikv": model}
-    if args.compile:  # the compiled decode step beside the eager one (models/compiled.py)
+    if args.compile:  # the compiled decode step beside the eager one (minikv/fast/compiled.py)
         models["minikv-compiled"] = minikv.load("smollm2", device="cpu", dtype=torch.float32, compile=True)[0]
     ids = text_ids(tok, args.prompt_tokens)
     ids_t = torch.tensor([ids])

@@ -1,7 +1,7 @@
 """The device page pool the page-based policies share (freekv, icecache), and its slot bookkeeping.
 
 A policy's paged storage is this pool plus the candidate store the policy needs (freekv's host
-pages with their digests, paged.py; icecache's semantic pages, icecache.py): the pool holds what
+pages with their digests, paged.py; icecache's semantic pages, icecache/policy.py): the pool holds what
 attention reads, the store what it may read later, and `refill` decides which slots a recall
 writes. Copies between the two go through the policy's Tiers (base.py), which counts them.
 
