@@ -15,7 +15,7 @@ minikv/bench/tasks; greedy decoding, chat template):
   KV        device KV attention really read (tokens per KV head, mean over layers), sampled after
             every forward of every task: mean and peak, and Mem% = mean as a share of full KV
   recall    for policies whose layers report attended_indices(): the share of full attention's
-            mass on the tokens they read (attention_recall.py); `oracle` rows: the best top-b
+            mass on the tokens they read (recall_probe.py); `oracle` rows: the best top-b
             selection, on full KV's attention
   long      one prefill of --long-prompt tokens of pydoc_data.topics, then --long-steps tokens fed
             one at a time: TPOT (mean step), its ratio to full's (same run), peak device KV, bytes
@@ -41,7 +41,7 @@ import torch
 from ..policies import available, make
 from ..policies.base import _REGISTRY, parameters
 from . import compare_report as report
-from .attention_recall import renumbers_positions
+from .recall_probe import renumbers_positions
 from .common import add_common_arguments, environment, load_model, text_ids
 from .compare_run import Bound, answer, bind, lockstep_long_pass, prefill_all
 from .passkey import with_budget

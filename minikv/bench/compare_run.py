@@ -16,7 +16,7 @@ import torch
 
 from ..generate import decode_n_tokens, decode_one_token, prefill
 from ..policies import make
-from .attention_recall import RecallProbe, renumbers_positions
+from .recall_probe import RecallProbe, renumbers_positions
 from .passkey import SharedPrefill
 from .ppl import nll_of, ppl
 

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from minikv.bench.attention_recall import RecallProbe, attended_mass, oracle_mass
+from minikv.bench.recall_probe import RecallProbe, attended_mass, oracle_mass
 from minikv.config import ModelConfig
 from minikv.policies.base import LayerKV, Policy, dense_attention
 
