@@ -113,7 +113,7 @@ def test_quick_preset_streaming_loses_needles_full_kv_finds(smollm2, tmp_path, m
     import minikv.bench.compare as compare
 
     monkeypatch.setattr(compare, "load_model", lambda args: smollm2)
-    argv = ["compare", "--policy", "streaming", "--budget", "64", "--tasks", "passkey", "niah_single_1",
+    argv = ["compare", "--policy", "streaming", "--budget", "64", "--seeds", "0", "--tasks", "passkey", "niah_single_1",
             "niah_multikey_2", "long", "--out", str(tmp_path)]
     assert main(argv) == 0
     full, stream = json.loads((tmp_path / "compare.json").read_text())["rows"]
