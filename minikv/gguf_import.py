@@ -189,7 +189,7 @@ def gguf_tensors(reader, cfg: dict, progress: bool = True):
     for t in progress_bar(reader.tensors, desc="dequantize", enabled=progress):
         try:
             w = dequantize(t.data, t.tensor_type)
-        except NotImplementedError as err:
+        except NotImplementedError as err:  # gguf's answer to a block type it cannot dequantize
             raise ValueError(f"GGUF tensor {t.name!r}: {err}") from None
         if not w.flags.writeable:  # float32 data is a view of the read-only mapped file: copy it
             w = w.copy()  # (quantized data is dequantized into a new array: no second copy of it)
