@@ -32,15 +32,14 @@ sys.path.insert(0, str(HERE.parent))
 from minikv.loading import cache_dir  # noqa: E402
 from minikv.packaged import QWEN25_CODER, assemble  # noqa: E402
 
+sys.path.insert(0, str(HERE))
+from make_models import TOKENIZER_CASES as SMOLLM2_CASES  # noqa: E402
+
 OUT = HERE / "models" / "qwen25_coder"
 STRIDE, TOP = 64, 64
 
-TOKENIZER_CASES = [
-    "", " ", "Hello world", "hello   world", "  leading spaces", "trailing spaces   ",
-    "line one\nline two\n\n\nthree", "tabs\tand\r\nCRLF", "it's can't I'M we'll they'd",
-    "1234567 3.14159 2024-01-31", "emoji 🤖🦊 and ZWJ 👩‍💻", "café ﬁ Ω ∑ naïve", "日本語のテキスト",
-    "    def f(x):\n        return x ** 2\n", "<|im_start|>user\nHi<|im_end|>\n",
-    "a<|endoftext|>b", "!!!???...,,,", "https://example.com/a?b=c&d=e",
+# make_models.py's SmolLM2 cases, then cases a code model's tokenizer must also get right
+TOKENIZER_CASES = SMOLLM2_CASES + [
     "x=[1,2,3];y={'a':0x1F}\n\tif x:  pass  # comment", "ÅÄÖ åäö ß Straße", "Привет, мир!",
     "مرحبا بالعالم", "🇫🇷🇯🇵", "\n\n\n\n", "   \t  \n  ", "The year 1999 and 20000000 items",
 ]
