@@ -34,6 +34,7 @@ from functools import lru_cache
 import torch
 
 from ..generate import decode_n_tokens, generate
+from ..models.attention import reusing_results
 from ..policies import make
 from ..policies.base import _REGISTRY, parameters
 from .common import add_common_arguments, load_model, print_table, write_json
@@ -138,7 +139,8 @@ class SharedPrefill:
             self.layers, self.names = layers, names
 
         def prefill(self, q, k, v, positions):
-            outs = [layer.prefill(q, k, v, positions) for layer in self.layers]
+            with reusing_results():  # the dense attention over the prompt, computed once for all
+                outs = [layer.prefill(q, k, v, positions) for layer in self.layers]
             for name, out in zip(self.names[1:], outs[1:]):
                 if not torch.equal(out, outs[0]):
                     raise ValueError(f"--shared-prefill: {name}'s prefill output differs from {self.names[0]}'s; "
