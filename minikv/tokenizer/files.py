@@ -185,7 +185,7 @@ def bpe_from_gguf(path_or_reader) -> BPETokenizer:
     if isinstance(path_or_reader, GGUFReader):
         reader = path_or_reader
     else:
-        from ..gguf_import import open_gguf
+        from ..gguf_to_hf import open_gguf
 
         reader = open_gguf(Path(path_or_reader))  # the header checked before gguf's reader trusts it
     meta = {k[len("tokenizer."):]: f.contents() for k, f in reader.fields.items()
