@@ -3,7 +3,7 @@
 A policy's paged storage is this pool plus the candidate store the policy needs (freekv's host
 pages with their digests, paged.py; icecache's semantic pages, icecache/policy.py): the pool holds what
 attention reads, the store what it may read later, and `refill` decides which slots a recall
-writes. Copies between the two go through the policy's Tiers (base.py), which counts them.
+writes. Copies between the two go through the policy's Tiers (tiers.py), which counts them.
 
 PagePool: S slots of P tokens on the device tier, NHD (S, P, Hkv, D) as FreeKV lays them out.
 Slot s of KV head m holds whatever page head m put there. Attention reads the slots through
