@@ -26,11 +26,6 @@ from ..kernels.paged_attention import paged_attention
 from ..models.attention import one_query_attention
 
 
-def kernel_backend(backend: str) -> str:
-    """The backend of the operations a policy calls: backend=reference runs their references."""
-    return "eager" if backend == "reference" else backend
-
-
 def refill(held: list[int], want: list[int]) -> list[tuple[int, int]]:
     """One head's slots after a new selection. held: what each slot holds (-1: empty), updated in
     place; want: the new selection (-1: none, no duplicates). Items already held stay where they
@@ -84,8 +79,7 @@ class PagePool:
         """q (1, Hq, D) over every slot's valid tokens -> (1, Hq, D)."""
         if self.backend == "eager":  # the table is the identity (entry j is slot j): no gather
             return pool_attention(q, self.k_pages, self.v_pages, self.page_lens)
-        return paged_attention(q, self.k_pages, self.v_pages, self.page_table, self.page_lens,
-                               backend=kernel_backend(self.backend))
+        return paged_attention(q, self.k_pages, self.v_pages, self.page_table, self.page_lens, backend=self.backend)
 
     def aux_bytes(self) -> int:
         """Device bytes besides the K/V slots: the page table and lengths."""
