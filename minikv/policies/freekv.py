@@ -141,9 +141,6 @@ class FreeKVLayer(PagedLayer):
     def allocated_host_tokens(self) -> int:
         return self.pages.max_pages * self.kv.P  # the host tier is preallocated for max_len
 
-    def aux_bytes(self) -> tuple[int, int]:
-        return self.kv.aux_bytes()
-
     def attended_indices(self) -> torch.Tensor:
         return self.kv.read_indices()
 

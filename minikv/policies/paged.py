@@ -292,7 +292,7 @@ class PagedKV:
 
 class PagedLayer(LayerKV):
     """A policy's layer whose KV lives in a PagedKV (`self.kv`): its tier accounting is the
-    paged store's. Subclasses add what they reserve on the host and their aux buffers."""
+    paged store's. Subclasses add what they reserve on the host and aux buffers of their own."""
 
     def device_tokens(self) -> float:
         return self.kv.device_tokens()
@@ -302,3 +302,6 @@ class PagedLayer(LayerKV):
 
     def allocated_device_tokens(self) -> int:
         return self.kv.S * self.kv.P
+
+    def aux_bytes(self) -> tuple[int, int]:
+        return self.kv.aux_bytes()  # the pool's page table and lengths, the store's digests
