@@ -66,7 +66,6 @@ def write_safetensors(file: Path, shapes: dict[str, tuple[int, ...]], tensors, m
         os.fsync(f.fileno())
 
 
-
 # -- the cache ---------------------------------------------------------------------------------
 
 

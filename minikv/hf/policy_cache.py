@@ -221,6 +221,5 @@ def _check_rope(model, policy) -> None:
                          "module was found in this model to rotate at the new positions")
 
 
-
 def _rotary_modules(model):
     return [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]

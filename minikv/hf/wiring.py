@@ -37,7 +37,6 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     return cache.attend(i, query, key, value, attention_mask, kwargs), None
 
 
-
 def _policy_cache(args, kwargs) -> PolicyCache | None:
     """The PolicyCache among a forward's arguments, whatever transformers calls that argument."""
     return next((a for a in (*args, *kwargs.values()) if isinstance(a, PolicyCache)), None)
@@ -134,4 +133,3 @@ def stats(model) -> dict:
     if c is None:
         raise ValueError("minikv.hf: this model has not run under a minikv policy")
     return c.stats()
-

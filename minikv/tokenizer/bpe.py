@@ -24,7 +24,6 @@ def digits_then_gpt2(digits: str = r"\p{N}") -> str:
     return digits + "|" + GPT2_PATTERN.replace(r"| ?\p{N}+", "").replace(r"\s+(?!\S)", r"\s+(?![^\s\p{N}])")
 
 
-
 @functools.lru_cache(maxsize=1)
 def byte_to_unicode() -> dict[int, str]:
     """GPT-2's table that gives every byte a printable character, so byte-level vocabularies can be
