@@ -6,8 +6,9 @@ read from the memory-mapped file straight into its parameter (`assign=True`), in
 checkpoint's layout. Then, unless fast=False, minikv.fast applies the CPU speed layer (faster
 one-row products, weights in huge pages, the compiled decode step when asked).
 
-`import_gguf(path)` (gguf_import.py) converts a llama- or qwen2-architecture GGUF (the bundled SmolLM2 is
-one) into such a directory once, in a cache folder, and later calls reuse it.
+`import_gguf(path)` (gguf_import.py, which reads the file through gguf_to_hf.py) converts a llama- or
+qwen2-architecture GGUF (the bundled SmolLM2 is one) into such a directory once, in a cache folder,
+and later calls reuse it.
 
 Model files are downloaded, so untrusted: whatever is wrong with one (a truncated file, a config
 that describes no model, a shard index naming files outside its directory) is a ValueError
@@ -21,8 +22,9 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
-from .gguf_import import (GGUF_BLOCK_NAMES, GGUF_NAMES, cache_dir, gguf_config, gguf_tensors,  # noqa: F401
-                          hf_name, import_gguf, open_gguf, unpermute_rows)
+from .gguf_import import cache_dir, import_gguf  # noqa: F401
+from .gguf_to_hf import (GGUF_BLOCK_NAMES, GGUF_NAMES, gguf_config, gguf_tensors, hf_name, open_gguf,  # noqa: F401
+                         unpermute_rows)
 from .models import DecoderLM, build_model
 
 from .packaged import SMOLLM2_GGUF, qwen25_coder_gguf_path, smollm2_gguf_path  # noqa: F401

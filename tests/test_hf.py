@@ -407,6 +407,6 @@ def test_cache_found_by_type_and_annotation_not_by_name():
     with pytest.raises(ValueError, match="NoCache.forward declares no Cache argument"):
         minikv.hf.cache_argument(NoCache())
     cache = object.__new__(minikv.hf.PolicyCache)
-    assert minikv.hf._policy_cache((), {"input_ids": None, "kv_state": cache}) is cache
-    assert minikv.hf._policy_cache((None, None, None, cache), {}) is cache
-    assert minikv.hf._policy_cache((), {"past_key_values": None, "cache": None}) is None
+    assert minikv.hf.wiring._policy_cache((), {"input_ids": None, "kv_state": cache}) is cache
+    assert minikv.hf.wiring._policy_cache((None, None, None, cache), {}) is cache
+    assert minikv.hf.wiring._policy_cache((), {"past_key_values": None, "cache": None}) is None

@@ -1,6 +1,7 @@
 """KV-cache policies: one file per policy, named after it. `make(spec)` builds one from a spec
 string such as "streaming:sink=4,window=252"; `available()` lists the names."""
-from .base import LayerKV, Policy, StepAction, Tiers, available, make, register
+from .base import LayerKV, Policy, StepAction, available, make, register
+from .tiers import Tiers
 from . import full  # noqa: F401  (registers "full")
 
 __all__ = ["LayerKV", "Policy", "StepAction", "Tiers", "available", "make", "register"]

@@ -19,8 +19,8 @@ reports tiers and events at any time.
 
 Tiers: `device` is where attention runs (the model's device); `host` is CPU memory, pinned when
 CUDA is present. On a CPU-only machine both are CPU memory: the copies still happen and the
-accounting is real, but nothing is saved. Every copy between the tiers goes through `Tiers`,
-which counts the bytes moved.
+accounting is real, but nothing is saved. Every copy between the tiers goes through the policy's
+`Tiers` (tiers.py), which counts the bytes moved.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from ..kernels import BACKENDS, check_backend
 from ..models.attention import dense_attention, expand_kv  # noqa: F401  (re-exported for policies)
 from ..models.rope import RotaryEmbedding
 from .params import check_fields, declarations, param, parse_value, value_type
-from .streams import CudaStreams
+from .tiers import Tiers
 
 
 @dataclass
@@ -48,111 +48,6 @@ class StepAction:
     position p-n+1; everything after it is generated anew under the policy's new state."""
 
     rewind: int = 0
-
-
-class Tiers:
-    """The two places KV can live, and the one object that moves KV between them.
-
-    Every copy between the tiers is a call here, which counts its bytes (`bytes_to_host`,
-    `bytes_to_device`), so no policy adds to the counters by hand:
-
-        to_host(t), to_device(t)         a tensor to the other tier, as a new tensor
-        write_host(dst, src)             into preallocated host memory (an offload)
-        gather_to_device(src, rows, out) host rows straight into device rows (both CPU memory)
-        copy_in(staging, gather, scatter, into, background)
-                                         a recall: host rows through a staging buffer into
-                                         device slots, asynchronous on CUDA
-        wait(into)                       before reading those slots: the last copy_in has landed
-
-    On CUDA, copy_in runs on the side stream (background) or the main one, ordered by events
-    through the small stream API of streams.py; `use_streams` swaps in a recorder in tests. On
-    the CPU the copies run in order on the calling thread."""
-
-    def __init__(self, device: torch.device):
-        self.device = torch.device(device)
-        self.host = torch.device("cpu")
-        self.pin = self.device.type == "cuda"
-        self.bytes_to_host = 0
-        self.bytes_to_device = 0
-        self.use_streams(CudaStreams(self.device) if self.device.type == "cuda" else None)
-
-    def use_streams(self, streams) -> None:
-        """CUDA's stream API, a recorder in tests, or None: every copy in order (the CPU)."""
-        self.streams = streams
-        self.side = streams.stream() if streams is not None else None
-        self._events = {}  # (owner, name) -> event, made on first use
-
-    def _event(self, owner, name="ready"):
-        if (owner, name) not in self._events:
-            self._events[owner, name] = self.streams.event()
-        return self._events[owner, name]
-
-    # fresh=True: t is a temporary nobody else holds (the result of a gather), so on a CPU-only
-    # machine it is already the copy and is handed over as is; otherwise a real copy is made,
-    # even when the device is the CPU. Bytes are counted either way.
-    def to_host(self, t: torch.Tensor, fresh: bool = False) -> torch.Tensor:
-        self.bytes_to_host += _nbytes(t)
-        if self.pin:  # blocking: the caller reads the result on the host right away
-            out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-            return out.copy_(t)
-        return t if fresh and t.device.type == "cpu" else t.to("cpu", copy=True)
-
-    def to_device(self, t: torch.Tensor, fresh: bool = False) -> torch.Tensor:
-        self.bytes_to_device += _nbytes(t)
-        if fresh and t.device == self.device:
-            return t
-        return t.to(self.device, non_blocking=self.pin, copy=True)
-
-    def write_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """src (on the device) into dst, a view of preallocated host memory; blocking."""
-        dst.copy_(src)
-        self.bytes_to_host += _nbytes(src)
-
-    def gather_to_device(self, src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
-        """out = src[rows]: host rows straight into device rows, one pass over the bytes (for
-        when both tiers are CPU memory: no temporary in between)."""
-        torch.index_select(src, 0, rows, out=out)
-        self.bytes_to_device += _nbytes(out)
-
-    def copy_in(self, staging, gather, scatter, into, background: bool = False) -> None:
-        """A recall. gather(buffer) fills the first rows of a pinned staging buffer on the host and
-        returns them; they cross to the device in one copy; scatter(rows) writes the device rows
-        into their slots. `into` (the pool written) names a chain: every copy_in into it is
-        ordered after the previous one, whichever stream each ran on, since two recalls may write
-        the same slot and a late background write must never land over a newer one. The staging
-        buffers (two, used in turn) are refilled only after the copy that last read them ended."""
-        buf = staging.take()
-        if self.streams is None:  # in order; on a CPU-only machine the staged rows are already "there"
-            rows = gather(staging.host[buf])
-            if self.device.type != "cpu":
-                rows = staging.dev[buf][:len(rows)].copy_(rows)
-            self.bytes_to_device += _nbytes(rows)
-            scatter(rows)
-            return
-        S, free, ready = self.streams, self._event(staging, buf), self._event(into)
-        free.synchronize()  # the copy that last read this buffer (any layer's) is done
-        rows = gather(staging.host[buf])
-        main = S.current()
-        stream = self.side if background else main
-        stream.wait_stream(main)  # what was issued before (this step's reads of the old slots) first
-        stream.wait_event(ready)  # the previous copy into these slots, on whichever stream
-        with S.use(stream):
-            dev = staging.dev[buf][:len(rows)]
-            dev.copy_(rows, non_blocking=True)
-            scatter(dev)
-            free.record(stream)
-            ready.record(stream)
-        self.bytes_to_device += _nbytes(rows)
-
-    def wait(self, into) -> None:
-        """Before attention reads `into`: the current stream waits for the last copy_in into it
-        (each waited for the one before, so this covers them all)."""
-        if self.streams is not None:
-            self.streams.current().wait_event(self._event(into))
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 class LayerKV(ABC):

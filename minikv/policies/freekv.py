@@ -39,7 +39,7 @@ from ..kernels.page_scores import GROUP_REDUCES, page_scores
 from .base import LayerKV, Policy, dense_attention, param, register
 from .full import FullLayer
 from .paged import DIGESTS, HostPages, PagedKV, PagedLayer, check_page_geometry
-from .pool import Staging, kernel_backend
+from .pool import Staging
 
 
 class FreeKVLayer(PagedLayer):
@@ -64,7 +64,7 @@ class FreeKVLayer(PagedLayer):
         if n:
             k = min(self.K, n)
             _, index = page_scores(q, pages.lo[:, :, :n], pages.hi[:, :, :n], pages.n_valid, k, self.scale,
-                                   self.policy.group_reduce, backend=kernel_backend(self.policy.backend))  # (1, Hkv, k)
+                                   self.policy.group_reduce, backend=self.policy.backend)  # (1, Hkv, k)
             out = index[0] if k == self.K else F.pad(index[0], (0, self.K - k), value=-1)  # (Hkv, K)
             out = out.cpu()  # the bookkeeping is host-side: one small copy (and sync) on CUDA
         else:
@@ -140,9 +140,6 @@ class FreeKVLayer(PagedLayer):
 
     def allocated_host_tokens(self) -> int:
         return self.pages.max_pages * self.kv.P  # the host tier is preallocated for max_len
-
-    def aux_bytes(self) -> tuple[int, int]:
-        return self.kv.aux_bytes()
 
     def attended_indices(self) -> torch.Tensor:
         return self.kv.read_indices()

@@ -38,7 +38,7 @@ import torch
 from ..kernels.page_gather import page_gather
 from ..kernels.page_layout import hnd_to_nhd, nhd_to_hnd
 from .base import LayerKV
-from .pool import PagePool, Staging, kernel_backend, refill
+from .pool import PagePool, Staging, refill
 
 DIGESTS = ("minmax", "arkvale")
 
@@ -136,7 +136,7 @@ class PagedKV:
         self.pages_recalled = 0
         # the gather reads the host tier: Triton can address it only when it is not CPU memory
         # beside a GPU (on a CPU-only machine the kernel runs in Triton's interpreter)
-        self.gather_backend = "eager" if tiers.device.type == "cuda" else kernel_backend(backend)
+        self.gather_backend = "eager" if tiers.device.type == "cuda" else backend
         # one recall moves at most every selected slot of every head; policies share one Staging
         self.staging = staging if staging is not None else Staging((max(1, n_kv * n_select), 2, page_size, head_dim),
                                                                    dtype, tiers)
@@ -257,7 +257,7 @@ class PagedKV:
 
         def scatter(blocks):
             hnd_to_nhd(blocks, pool.k_pages, pool.v_pages, slots.to(blocks.device, non_blocking=True),
-                       heads.to(blocks.device, non_blocking=True), backend=kernel_backend(self.backend))
+                       heads.to(blocks.device, non_blocking=True), backend=self.backend)
 
         self.tiers.copy_in(self.staging, gather, scatter, into=pool, background=background)
 
@@ -292,7 +292,7 @@ class PagedKV:
 
 class PagedLayer(LayerKV):
     """A policy's layer whose KV lives in a PagedKV (`self.kv`): its tier accounting is the
-    paged store's. Subclasses add what they reserve on the host and their aux buffers."""
+    paged store's. Subclasses add what they reserve on the host and aux buffers of their own."""
 
     def device_tokens(self) -> float:
         return self.kv.device_tokens()
@@ -302,3 +302,6 @@ class PagedLayer(LayerKV):
 
     def allocated_device_tokens(self) -> int:
         return self.kv.S * self.kv.P
+
+    def aux_bytes(self) -> tuple[int, int]:
+        return self.kv.aux_bytes()  # the pool's page table and lengths, the store's digests

@@ -3,7 +3,7 @@
 A policy's paged storage is this pool plus the candidate store the policy needs (freekv's host
 pages with their digests, paged.py; icecache's semantic pages, icecache/policy.py): the pool holds what
 attention reads, the store what it may read later, and `refill` decides which slots a recall
-writes. Copies between the two go through the policy's Tiers (base.py), which counts them.
+writes. Copies between the two go through the policy's Tiers (tiers.py), which counts them.
 
 PagePool: S slots of P tokens on the device tier, NHD (S, P, Hkv, D) as FreeKV lays them out.
 Slot s of KV head m holds whatever page head m put there. Attention reads the slots through
@@ -24,11 +24,6 @@ import torch
 
 from ..kernels.paged_attention import paged_attention
 from ..models.attention import one_query_attention
-
-
-def kernel_backend(backend: str) -> str:
-    """The backend of the operations a policy calls: backend=reference runs their references."""
-    return "eager" if backend == "reference" else backend
 
 
 def refill(held: list[int], want: list[int]) -> list[tuple[int, int]]:
@@ -84,8 +79,7 @@ class PagePool:
         """q (1, Hq, D) over every slot's valid tokens -> (1, Hq, D)."""
         if self.backend == "eager":  # the table is the identity (entry j is slot j): no gather
             return pool_attention(q, self.k_pages, self.v_pages, self.page_lens)
-        return paged_attention(q, self.k_pages, self.v_pages, self.page_table, self.page_lens,
-                               backend=kernel_backend(self.backend))
+        return paged_attention(q, self.k_pages, self.v_pages, self.page_table, self.page_lens, backend=self.backend)
 
     def aux_bytes(self) -> int:
         """Device bytes besides the K/V slots: the page table and lengths."""

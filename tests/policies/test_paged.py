@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minikv.policies.base import Tiers
+from minikv.policies.tiers import Tiers
 from minikv.policies.paged import HostPages, PagedKV, page_digest
 
 H, D = 2, 8

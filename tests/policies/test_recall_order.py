@@ -1,7 +1,7 @@
 """The CUDA ordering of the recalls (freekv's pages, synckv's bank fetches), checked on the CPU.
 
-Every copy between the tiers goes through Tiers (policies/base.py), which issues its
-asynchronous copies through a small stream API (policies/streams.py). Here a recorder stands in
+Every copy between the tiers goes through Tiers (policies/tiers.py), which issues its
+asynchronous copies through a small stream API (CudaStreams, beside it). Here a recorder stands in
 for CUDA: it logs every stream operation, and `replay` applies CUDA's rules (work on one stream
 runs in issue order; wait_event orders a stream after what was recorded; wait_stream after
 everything issued so far on the other stream; an event's host synchronize waits for what was
@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from minikv.config import ModelConfig
-from minikv.policies import base, make
+from minikv.policies import make
 from minikv.policies.synckv import policy as synckv_policy
+from minikv.policies.tiers import Tiers
 
 from .test_synckv import TINY as SYNCKV_TINY
 from .test_synckv import TINY_CLUSTERS, write_clusters
@@ -214,7 +215,7 @@ def test_synckv_fetches_are_chained_waited_for_and_never_overwrite_a_staging_buf
 def test_the_checks_catch_a_missing_wait(run, drop, monkeypatch, tmp_path):
     """Mutation check: a Tiers.copy_in without one of its waits (on the previous copy into the
     pool, on the staging buffer's last reader) or a wait() that does nothing fails the checks."""
-    real_event = base.Tiers._event
+    real_event = Tiers._event
 
     class Blind:  # an event whose waits and synchronizes are never logged
         def __init__(self, event):
@@ -232,17 +233,17 @@ def test_the_checks_catch_a_missing_wait(run, drop, monkeypatch, tmp_path):
             return Blind(event)
         return event
 
-    monkeypatch.setattr(base.Tiers, "_event", mutated_event)
+    monkeypatch.setattr(Tiers, "_event", mutated_event)
     if drop == "attend":
-        monkeypatch.setattr(base.Tiers, "wait", lambda self, into: None)
+        monkeypatch.setattr(Tiers, "wait", lambda self, into: None)
     if drop == "chain":
-        real_copy_in = base.Tiers.copy_in
+        real_copy_in = Tiers.copy_in
 
         def no_chain(self, staging, gather, scatter, into, background=False):
             self._events[into, "ready"] = self.streams.event()  # a fresh event each time: no chain
             return real_copy_in(self, staging, gather, scatter, into, background)
 
-        monkeypatch.setattr(base.Tiers, "copy_in", no_chain)
+        monkeypatch.setattr(Tiers, "copy_in", no_chain)
     log = run(monkeypatch, tmp_path) if run is run_synckv else run(monkeypatch)
     with pytest.raises(AssertionError):
         check_order(log)

@@ -167,7 +167,7 @@ class IceCacheLayer(PagedLayer):
         return self.forest.max_pages * self.kv.P  # page slots reserved per KV head
 
     def aux_bytes(self) -> tuple[int, int]:
-        device, host = self.kv.aux_bytes()  # (the staging buffers are the policy's)
+        device, host = super().aux_bytes()  # the paged store's; the staging buffers are the policy's
         return device, host + (self.forest.nbytes() if self.anchor is None else 0)
 
 

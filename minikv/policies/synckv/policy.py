@@ -39,7 +39,7 @@ from ...kernels.attention_topk import attention_topk
 from ...kernels.decode_attention import decode_attention
 from ...kernels.gathered_attention import gathered_attention
 from ..base import LayerKV, Policy, dense_attention, param, register
-from ..pool import Staging, kernel_backend, refill
+from ..pool import Staging, refill
 from .bank import ContextBank
 from .clusters import find_clustering
 
@@ -125,7 +125,7 @@ class SyncKVLayer(LayerKV):
         """Eqs. 3-4: I_0 from the R-head's attention of the last prompt token, split by rho. The
         candidates are the tokens before the window (the window's are read at every step anyway)."""
         # q_last (1, Hq, D); k_nr, v_nr (Hn, T, D)
-        T, n, backend = self.T, self.start, kernel_backend(self.policy.backend)
+        T, n, backend = self.T, self.start, self.policy.backend
         q_r = q_last[:, self.rq]
         _, lse = decode_attention(q_r, self.kr[:, :, :T], self.vr[:, :, :T], torch.tensor([T], device=q_r.device),
                                   return_lse=True, backend=backend)
@@ -144,7 +144,7 @@ class SyncKVLayer(LayerKV):
     def decode(self, q, k, v, positions):
         # q (1, Hq, 1, D); k, v (1, Hkv, 1, D)
         self.append(k, v)
-        L, backend = self.length, kernel_backend(self.policy.backend)
+        L, backend = self.length, self.policy.backend
         q1 = q[:, :, 0]  # (1, Hq, D)
         out = torch.empty_like(q1)
         q_r = q1[:, self.rq]
@@ -203,7 +203,7 @@ class SyncKVLayer(LayerKV):
         if self.kd == 0:  # rho = 1: no dynamic set to choose
             return
         _, top = attention_topk(q_r, self.kr[:, :, :n], lse_r, torch.tensor([n], device=q_r.device),
-                                self.keep[:, :, :n], self.kd, backend=kernel_backend(self.policy.backend))
+                                self.keep[:, :, :n], self.kd, backend=self.policy.backend)
         moves = []  # (cluster, dynamic slot, token)
         for c, row in enumerate(top[0].tolist()):
             if len(self.clusters[c]) == 1:

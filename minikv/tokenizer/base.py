@@ -1,0 +1,129 @@
+"""What every tokenizer shares: added tokens matched whole, BOS, decoding one token at a time
+(StreamDecoder), chat templates. A subclass supplies `_encode_text(segment)` (text between added
+tokens -> ids) and `_token_bytes(id)`: BPETokenizer (bpe.py), SentencePieceTokenizer (spm.py)."""
+from __future__ import annotations
+
+import codecs
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .chat_template import compile_template
+
+if TYPE_CHECKING:
+    from .bpe import BPETokenizer
+
+# Tokens that end an assistant turn in common chat formats; eos_ids holds those the template uses.
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
+
+
+@dataclass(frozen=True)
+class AddedToken:
+    """A token matched whole in the text before any other tokenization (<|im_start|>, <s>)."""
+    content: str
+    id: int
+    special: bool = True
+    lstrip: bool = False  # also swallows the whitespace before it
+    rstrip: bool = False  # ... and after it
+
+
+class Tokenizer:
+    """What every tokenizer shares: added-token splitting, BOS, decoding, streaming, chat templates.
+    Subclasses supply _encode_text(segment) and _token_bytes(id)."""
+
+    def __init__(self, added: list[AddedToken], bos_id: int | None, eos_id: int | None, add_bos: bool,
+                 chat_template: str | None, vocab_size: int, extra_eos: tuple[int, ...] = (),
+                 strip_first_space: bool = False):
+        self.added, self.bos_id, self.eos_id, self.add_bos = added, bos_id, eos_id, add_bos
+        self.chat_template, self.vocab_size = chat_template, vocab_size
+        self.special_ids = {t.id for t in added if t.special}
+        self._content = {t.id: t.content for t in added}
+        self.strip_first_space = strip_first_space  # sentencepiece's dummy prefix, undone when decoding
+        # Longest first, so that "<|im_start|>" wins over a shorter token that is its prefix.
+        ordered = sorted(added, key=lambda t: -len(t.content))
+        self._added_ids = [t.id for t in ordered]
+        self._added_re = re.compile("|".join(
+            ("\\s*" if t.lstrip else "") + f"({re.escape(t.content)})" + ("\\s*" if t.rstrip else "")
+            for t in ordered)) if ordered else None
+        # Turn-ending tokens the template writes stop generation like EOS does.
+        by_content = {t.content: t.id for t in added}
+        self.eos_ids = {i for i in (eos_id, *extra_eos) if i is not None} | {
+            by_content[t] for t in END_OF_TURN if t in by_content and t in (chat_template or "")}
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._content.get(self.bos_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._content.get(self.eos_id)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of text; added tokens written in the text become their ids. add_bos=None does
+        what the tokenizer's config says (add_bos_token, or its post-processor)."""
+        if add_bos if add_bos is not None else self.add_bos:
+            if self.bos_id is None:
+                raise ValueError("this tokenizer has no BOS token; call encode(text, add_bos=False)")
+            ids = [self.bos_id]
+        else:
+            ids = []
+        start = 0
+        for m in self._added_re.finditer(text) if self._added_re else ():
+            if m.start() > start:
+                ids += self._encode_text(text[start:m.start()])
+            ids.append(self._added_ids[m.lastindex - 1])
+            start = m.end()
+        if start < len(text):
+            ids += self._encode_text(text[start:])
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        stream = self.stream(skip_special_tokens)
+        return "".join(stream.push(int(i)) for i in ids) + stream.flush()
+
+    def stream(self, skip_special_tokens: bool = False) -> StreamDecoder:
+        return StreamDecoder(self, skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """Render the checkpoint's own Jinja chat template the way transformers does."""
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template (looked for tokenizer_config.json 'chat_template', "
+                             "chat_template.jinja, GGUF tokenizer.chat_template); format the prompt yourself")
+        special = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token)) if v}
+        return compile_template(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None,
+            **{**special, **kwargs})
+
+    @staticmethod
+    def from_gguf(path_or_reader) -> BPETokenizer:
+        from .files import bpe_from_gguf  # files.py builds on this module
+
+        return bpe_from_gguf(path_or_reader)
+
+
+class StreamDecoder:
+    """Token ids in, text out, one token at a time, emitting only complete characters: a multi-byte
+    UTF-8 character split over tokens (an emoji in byte-fallback pieces) waits for its last byte.
+    Pushing every id then flushing gives exactly tok.decode(ids)."""
+
+    def __init__(self, tok: Tokenizer, skip_special_tokens: bool = False):
+        self._tok, self._skip = tok, skip_special_tokens
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._first = True
+
+    def push(self, token_id: int) -> str:
+        token_id = int(token_id)
+        if self._skip and token_id in self._tok.special_ids:
+            return ""
+        text = self._utf8.decode(self._tok._token_bytes(token_id))
+        if self._first:
+            # SentencePiece writes "Hello" as "▁Hello" (its dummy prefix): the space that piece
+            # brings is not part of the text, but later "▁world" pieces' spaces are.
+            self._first = False
+            if self._tok.strip_first_space and text[:1] == " " and token_id not in self._tok.special_ids:
+                text = text[1:]
+        return text
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the end becomes U+FFFD)."""
+        return self._utf8.decode(b"", final=True)
