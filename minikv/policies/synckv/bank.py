@@ -10,7 +10,7 @@
                 token index.
 
 `fetch` is Eq. 7: one gather of the wanted rows on the host into a staging buffer, one copy to
-the device, one scatter into their slots, through Tiers.copy_in (base.py), which counts the bytes
+the device, one scatter into their slots, through Tiers.copy_in (tiers.py), which counts the bytes
 and, on CUDA, runs it on the side stream after the current stream's work (this step's attention
 over the old slots), so the transfer overlaps the rest of the forward (Sec. 4.5); the next
 attention waits for it (`wait`). On the CPU it runs in order.
