@@ -38,7 +38,7 @@ class RecallProbe:
             raise ValueError(f"policy {policy.name!r} renumbers positions; attention recall needs absolute ones")
         self.policy = policy
         self.budgets = sorted(set(oracle_budgets))
-        self.keys: dict[int, torch.Tensor] = {}  # layer -> (Hkv, max_len, D) float32
+        self.keys: dict[int, torch.Tensor] = {}  # layer -> (Hkv, max_len, D), the cache's dtype
         self.sum, self.count = 0.0, 0  # policy recall over (step, layer)
         self.oracle_sum = {b: 0.0 for b in self.budgets}
         self.oracle_count = 0
@@ -76,16 +76,18 @@ class RecallProbe:
             raise ValueError("attention recall follows one sequence (batch size 1)")
         if index not in self.keys:
             Hkv, D = k.shape[1], k.shape[3]
-            self.keys[index] = torch.zeros(Hkv, self.policy.max_len, D, dtype=torch.float32, device=k.device)
+            # the keys as the cache holds them (exact; float32 only for the product): at 16k tokens a
+            # float32 shadow of a bfloat16 model doubles what each compared row costs
+            self.keys[index] = torch.zeros(Hkv, self.policy.max_len, D, dtype=k.dtype, device=k.device)
         keep = positions[0] >= 0
-        self.keys[index][:, positions[0, keep]] = k[0][:, keep].float()
+        self.keys[index][:, positions[0, keep]] = k[0][:, keep]
 
     def measure(self, layer, q: torch.Tensor, n: int) -> None:
         # q (1, Hq, 1, D); the keys of tokens 0 .. n-1 are in the shadow copy
         indices = layer.attended_indices() if hasattr(layer, "attended_indices") else None
         if indices is None and not self.budgets:
             return
-        p = full_attention_probs(q[0, :, 0].float(), self.keys[layer.index][:, :n])  # (Hq, n)
+        p = full_attention_probs(q[0, :, 0].float(), self.keys[layer.index][:, :n].float())  # (Hq, n)
         if indices is not None:
             self.sum += attended_mass(p, indices).mean().item()
             self.count += 1
