@@ -25,7 +25,9 @@ and the long pass runs all rows in lockstep, so the TPOT ratios hold on a machin
 drifts. Writes Markdown tables (stdout and --out/compare.md), --out/compare.json (every number,
 the machine) and the figures (--out/*.png, matplotlib). --include FILE.json merges rows of another
 run of the same schema: reference/compare_kvpress.py writes kvpress's, marked by their source; a
-second minikv run (other --policy) adds its rows, each keeping its TPOT ratio to its own full KV.
+second minikv run (other --policy) adds its rows, each keeping its TPOT ratio to its own full KV;
+a row both runs measured on different instances (a run split by seeds or tasks) pools them
+(compare_merge.py).
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ from ..policies.base import _REGISTRY, parameters
 from . import compare_report as report
 from .recall_probe import renumbers_positions
 from .common import add_common_arguments, environment, load_model, text_ids
+from .compare_merge import merge
 from .compare_run import Bound, answer, bind, lockstep_long_pass, prefill_all
 from .passkey import with_budget
 from .intervals import interval
@@ -160,6 +163,7 @@ class Tally:
                 "intervals": {t: list(interval(v)) for t, v in self.scores.items()},
                 "instances": {t: len(v) for t, v in self.scores.items()}, "answers": self.answers,
                 "kv_mean_tokens": sum(self.device) / len(self.device), "kv_peak_tokens": max(self.device),
+                "kv_samples": len(self.device), "seq_tokens": sum(self.seq), "recall_steps": self.recall_n,
                 "kv_share_mean": sum(self.device) / sum(self.seq), "kv_share_peak": max(shares),
                 "recall": self.recall_sum / self.recall_n if self.recall_n else None,
                 "oracle": {b: sum(v) / len(v) for b, v in self.oracle.items()}}
@@ -310,10 +314,6 @@ def settings_of(args) -> dict:
     return s
 
 
-def row_key(row: dict) -> tuple:
-    return row.get("source", "minikv"), row.get("spec", row.get("policy")), row.get("budget")
-
-
 def check(args) -> None:
     """The flags that need no model (python -m minikv.bench calls this before loading it)."""
     for path in args.include + ([args.from_json] if args.from_json else []):
@@ -333,11 +333,7 @@ def run(args) -> int:
             result = run_compare(model, tok, args, settings)
         for path in args.include:
             extra = load_rows(path)
-            have = {row_key(r) for r in result["rows"]}
-            for row in extra["rows"]:
-                row.setdefault("source", extra.get("source", Path(path).stem))
-                if row_key(row) not in have:  # a row measured in both runs (their full KV): the first is kept
-                    result["rows"].append(row)
+            merge(result, extra, path)
             result.setdefault("included", []).append({"file": path, "machine": extra.get("machine"),
                                                       "settings": extra.get("settings")})
     except ValueError as e:

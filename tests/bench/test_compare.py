@@ -201,3 +201,28 @@ def test_variants_of_one_policy_are_labelled_by_their_parameters():
     assert label({"policy": "freekv", "spec": "freekv:budget=256", "budget": 256}) == "freekv"
     assert label({"policy": "synckv", "spec": "synckv:budget=512", "budget": None}) == "synckv:budget=512"
     assert label({"policy": "snapkv", "source": "kvpress", "spec": "x"}) == "snapkv (kvpress)"
+
+
+def test_a_run_split_by_seeds_merges_into_the_run_over_all_seeds(smollm2, tmp_path, monkeypatch):
+    # runs split over processes pool their instances: seeds 0-1 and seed 2 merged give what one run
+    # over seeds 0-2 gives (scores, intervals, Mem%, recall, the oracle), and an overlap is refused
+    import minikv.bench.compare as compare
+
+    monkeypatch.setattr(compare, "load_model", lambda args: smollm2)
+    common = ["compare", "--policy", "full", "--policy", "freekv", "--tasks", "niah_single_1", "--length", "256",
+              "--budget", "128"]
+    for name, seeds in (("a", ["0", "1"]), ("b", ["2"]), ("all", ["0", "1", "2"]), ("ab", ["1", "2"])):
+        assert main(common + ["--seeds", *seeds, "--json", str(tmp_path / f"{name}.json")]) == 0
+    out = tmp_path / "out"
+    assert main(["compare", "--from", str(tmp_path / "a.json"), "--include", str(tmp_path / "b.json"),
+                 "--json", str(out)]) == 0
+    merged, whole = json.loads(out.read_text()), json.loads((tmp_path / "all.json").read_text())
+    assert merged["settings"]["seeds"] == [0, 1, 2]
+    for m, w in zip(merged["rows"], whole["rows"], strict=True):
+        assert m["spec"] == w["spec"] and m["instances"] == w["instances"] == {"niah_single_1": 3}
+        assert m["scores"] == w["scores"] and m["intervals"] == w["intervals"]
+        assert sorted(a["seed"] for a in m["answers"]) == [0, 1, 2]
+        for key in ("kv_mean_tokens", "kv_share_mean", "kv_peak_tokens", "recall"):
+            assert m[key] == (None if w[key] is None else pytest.approx(w[key], rel=1e-9)), key
+    assert merged["oracle"] == pytest.approx(whole["oracle"], rel=1e-9)
+    assert main(["compare", "--from", str(tmp_path / "a.json"), "--include", str(tmp_path / "ab.json")]) == 2
