@@ -66,14 +66,12 @@ def summarize(runs: list[dict], new_tokens: int) -> dict:
         "device_tokens_peak": runs[-1]["device_tokens_peak"],
         "device_bytes": runs[-1]["device_bytes_allocated"],
         "bytes_per_token": runs[-1]["bytes_per_token"],
-        # the share of decoding a policy's selection and recall took (with_probes, or its own timers)
-        "overhead_share": statistics.median(
-            (r["select_s"] + r["recall_s"]) / (r["tpot_s"] * (new_tokens - 1)) for r in runs) if "select_s" in runs[-1] else None,
-        # and each part on its own (the JSON rows): selection (a page-score pass, or a tree search) and recall
-        "select_share": statistics.median(
-            r["select_s"] / (r["tpot_s"] * (new_tokens - 1)) for r in runs) if "select_s" in runs[-1] else None,
-        "recall_share": statistics.median(
-            r["recall_s"] / (r["tpot_s"] * (new_tokens - 1)) for r in runs) if "recall_s" in runs[-1] else None,
+        # the share of decoding a policy's selection and recall took (with_probes, or its own timers;
+        # a policy may have one without the other), and each part on its own (the JSON rows):
+        # selection (a page-score pass, or a tree search) and recall
+        "overhead_share": share(runs, ("select_s", "recall_s"), new_tokens),
+        "select_share": share(runs, ("select_s",), new_tokens),
+        "recall_share": share(runs, ("recall_s",), new_tokens),
     }
 
 
@@ -136,6 +134,14 @@ def probe_targets(policy) -> list:
     has it) and, where the layer has no recall of its own, its storage's (icecache's pages)."""
     storage = [layer.kv for layer in policy.layers if not hasattr(layer, "recall") and hasattr(layer, "kv")]
     return list(policy.layers) + storage
+
+
+def share(runs: list[dict], keys: tuple, new_tokens: int) -> float | None:
+    """The median over runs of the decode time spent in `keys` (seconds over a run), or None when
+    the policy times none of them."""
+    if not any(k in runs[-1] for k in keys):
+        return None
+    return statistics.median(sum(r.get(k, 0.0) for k in keys) / (r["tpot_s"] * (new_tokens - 1)) for r in runs)
 
 
 def with_probes(stats: dict, totals: dict) -> dict:

@@ -108,3 +108,12 @@ def test_select_and_recall_are_timed_from_outside(smollm2, spec):
     assert row["overhead_share"] == pytest.approx(row["select_share"] + row["recall_share"])
     found = bench.lockstep_runs(model, ids, ["full", spec], 4)
     assert found[spec]["select_s"] > 0 and "select_s" not in found["full"]
+
+
+def test_overhead_share_counts_a_policy_that_times_selection_but_no_recall():
+    # softfreeze's layers have a select() and no recall(): its share is the selection's alone
+    from minikv.bench.speed import share
+
+    runs = [{"tpot_s": 0.1, "select_s": 0.3}, {"tpot_s": 0.2, "select_s": 0.3}]
+    assert share(runs, ("select_s", "recall_s"), new_tokens=4) == pytest.approx((1.0 + 0.5) / 2)
+    assert share(runs, ("recall_s",), new_tokens=4) is None
