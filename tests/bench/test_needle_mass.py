@@ -3,7 +3,7 @@ on hand-made attention and on a freekv layer whose keys put the needle in a know
 import pytest
 import torch
 
-from minikv.bench.needle_mass import NeedleProbe, best_rank, needle_mass, needle_pages
+from minikv.bench.needle_mass import NeedleProbe, best_rank, needle_mass, needle_pages, rank_table
 from minikv.policies import make
 
 from .test_attention_recall import tiny_cfg
@@ -75,3 +75,15 @@ def test_freekv_reading_a_decoy_page_holds_nothing_of_the_needle():
     assert last["held"][0].item() == 0.0  # the one selected page is the decoy
     assert last["oracle"][0].item() == 0.0  # the best page by true mass is the decoy too
     assert last["rank/true"][0] == 1 and last["rank/arkvale/softmax_mean"][0] == 1
+
+
+def test_rank_table_weights_by_needle_mass():
+    rows = [{"mass": 0.5, "held": 0.5, "rank/true": 0, "rank/x": 2},
+            {"mass": 0.3, "held": 0.0, "rank/true": 1, "rank/x": 0},
+            {"mass": 0.2, "held": 0.1, "rank/true": 5, "rank/x": 2},
+            {"mass": 0.9, "held": 0.9}]  # needle in the window: no rank, not counted
+    table = {r["score"]: r for r in rank_table(rows, K=2)}
+    assert table["policy's reads (held share)"]["top"] == pytest.approx(0.6)
+    assert (table["true"]["top"], table["true"]["next"], table["true"]["near"], table["true"]["far"]) == \
+        pytest.approx((0.8, 0.0, 0.0, 0.2))
+    assert (table["x"]["top"], table["x"]["next"]) == pytest.approx((0.3, 0.7))
