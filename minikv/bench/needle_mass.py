@@ -122,38 +122,39 @@ class NeedleProbe(RecallProbe):
 # -- one instance --------------------------------------------------------------------------------
 
 
-def run_instance(model, tok, inst, specs: list[str]) -> dict:
-    """Full KV's answer, each policy's own answer and its records under teacher forcing on full's."""
+def run_instance(model, tok, inst, specs: list[str], answers: bool = True) -> dict:
+    """Full KV's answer, each policy's records under teacher forcing on it and (if `answers`) the
+    policy's own answer."""
     n, eos = len(inst.ids), set(tok.eos_ids)
     max_len = n + inst.max_new_tokens + 1
+    # rows: full KV, each policy teacher-forced (probed), then each policy answering on its own
+    plan = [("full", False)] + [(s, True) for s in specs] + ([(s, False) for s in specs] if answers else [])
 
-    def row(i: int) -> Bound:  # 0: full; then per policy its greedy row and its teacher-forced row
-        if i == 0:
-            return bind(model, "full", max_len, probe=False)
-        spec = specs[(i - 1) // 2]
-        if i % 2:
+    def row(i: int) -> Bound:
+        spec, probed = plan[i]
+        if not probed:
             return bind(model, spec, max_len, probe=False)
         policy = make(spec)
         probe = NeedleProbe(policy, inst.needles[0])
         return Bound(spec, policy.bind(model.cfg, device=model.device, dtype=model.dtype, max_len=max_len), probe)
 
-    rows = [row(i) for i in range(1 + 2 * len(specs))]
+    rows = [row(i) for i in range(len(plan))]
     logits = prefill_all(model, rows, inst.ids, row)
-    lengths = torch.tensor([n], device=model.device)
-    new, _ = decode_n_tokens(model, logits[0], lengths, rows[0].policy, inst.max_new_tokens, eos,
-                             (0.0, None, None), None)
+    new, _ = decode_n_tokens(model, logits[0], torch.tensor([n], device=model.device), rows[0].policy,
+                             inst.max_new_tokens, eos, (0.0, None, None), None)
     truth = new[0]  # full KV's answer, fed to every teacher-forced row
     out = {"task": inst.key, "seed": inst.seed, "depth": inst.depths[0], "full": hit(tok, truth, inst), "policies": {}}
     for j, spec in enumerate(specs):
-        own = answer(model, tok, rows[1 + 2 * j], logits[1 + 2 * j], n, inst.max_new_tokens)
-        forced = rows[2 + 2 * j]
-        agree = 0
+        forced, agree = rows[1 + j], 0
         for t in range(len(truth) - 1):
             step = decode_one_token(model, torch.tensor([truth[t]]), torch.tensor([n + t]), forced.policy)
             agree += int(step[0].argmax()) == truth[t + 1]
-        out["policies"][spec] = {"hit": string_match_all([own], [inst.answers]) > 0, "answer": own,
-                                 "agree": f"{agree}/{len(truth) - 1}", "records": forced.probe.records,
+        out["policies"][spec] = {"agree": f"{agree}/{len(truth) - 1}", "records": forced.probe.records,
                                  "K": getattr(forced.policy, "n_select", None)}
+        if answers:
+            i = 1 + len(specs) + j
+            own = answer(model, tok, rows[i], logits[i], n, inst.max_new_tokens)
+            out["policies"][spec].update(answer=own, hit=string_match_all([own], [inst.answers]) > 0)
     return out
 
 
@@ -218,7 +219,8 @@ def report(results: list[dict], specs: list[str], top_heads: int) -> None:
         for j, s in enumerate(specs):
             p = r["policies"][s]
             held = share[s].get((r["task"], r["seed"]))
-            row[f"p{j}"] = f"{'hit' if p['hit'] else 'miss'} {p['agree']} " + ("-" if held is None else f"{held:.2f}")
+            own = {True: "hit", False: "miss", None: "-"}[p.get("hit")]
+            row[f"p{j}"] = f"{own} {p['agree']} " + ("-" if held is None else f"{held:.2f}")
         inst.append(row)
     print_table(inst, [("task", "task", ""), ("seed", "seed", "d"), ("depth", "depth", ".2f"), ("full", "full", "")]
                 + [(s, f"p{j}", "") for j, s in enumerate(specs)],
@@ -258,6 +260,8 @@ def add_arguments(p) -> None:
     p.add_argument("--length", type=int, default=4096, help="prompt length in tokens (4096)")
     p.add_argument("--seeds", type=int, nargs="+", default=list(range(10)), help="instances by seed (0..9)")
     p.add_argument("--top-heads", type=int, default=8, help="heads listed as losing the most (8)")
+    p.add_argument("--no-answers", action="store_true",
+                   help="skip the policies' own answers (hit/miss '-'): one prefill's attention less per policy")
     add_common_arguments(p)
 
 
@@ -279,7 +283,7 @@ def run(args) -> int:
             inst = make_instance(task, tok, args.length, seed, haystack=args.haystack)
             if not inst.needles:
                 raise ValueError(f"task {task!r} has no needle span")
-            results.append(run_instance(model, tok, inst, specs))
+            results.append(run_instance(model, tok, inst, specs, answers=not args.no_answers))
             print(f"  {inst.key} seed {seed}: done", file=sys.stderr, flush=True)
     report(results, specs, args.top_heads)
     write_json(args.json, {"benchmark": COMMAND, "model": args.model, "length": args.length, "specs": specs,
