@@ -27,6 +27,7 @@ freekv layers (candidates in consecutive host pages), also:
 """
 from __future__ import annotations
 
+import gc
 import sys
 from collections import defaultdict
 
@@ -125,6 +126,7 @@ class NeedleProbe(RecallProbe):
 def run_instance(model, tok, inst, specs: list[str], answers: bool = True) -> dict:
     """Full KV's answer, each policy's records under teacher forcing on it and (if `answers`) the
     policy's own answer."""
+    gc.collect()  # a policy and its layers point at each other: free the last instance's caches first
     n, eos = len(inst.ids), set(tok.eos_ids)
     max_len = n + inst.max_new_tokens + 1
     # rows: full KV, each policy teacher-forced (probed), then each policy answering on its own
