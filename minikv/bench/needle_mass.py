@@ -198,8 +198,9 @@ def summary(rows: list[dict], key) -> list[dict]:
 def rank_table(rows: list[dict], K: int) -> list[dict]:
     """Per page score (and the true page mass): the share of the needle mass, over the records
     where the needle is in a candidate page, whose needle page ranks in the top K, first below
-    them (rank K: one more page would read it), K+1 .. 2K-1, or further; and the share the
-    policy held on those records."""
+    them (rank K: one more page would read it), K+1 .. 2K-1, or further; the share the policy
+    held on those records, and of the mass whose page this score ranks in the top K (for the
+    policy's own score, below 1 is what speculation lost)."""
     rows = [r for r in rows if "rank/true" in r]
     total = sum(r["mass"] for r in rows)
     if not total:
@@ -208,7 +209,10 @@ def rank_table(rows: list[dict], K: int) -> list[dict]:
     for kind in [k for k in rows[0] if k.startswith("rank/")]:
         share = [sum(r["mass"] for r in rows if lo <= r[kind] < hi) / total for lo, hi in ((0, K), (K, K + 1),
                                                                                             (K + 1, 2 * K))]
-        out.append({"score": kind[5:], "top": share[0], "next": share[1], "near": share[2], "far": 1 - sum(share)})
+        top = [r for r in rows if r[kind] < K]
+        held = sum(r["held"] for r in top) / sum(r["mass"] for r in top) if top else None
+        out.append({"score": kind[5:], "top": share[0], "next": share[1], "near": share[2], "far": 1 - sum(share),
+                    "held": held})
     return out
 
 
@@ -246,7 +250,7 @@ def report(results: list[dict], specs: list[str], top_heads: int) -> None:
         if K and any("rank/true" in r for r in rows):
             print_table(rank_table(rows, K), [("page score", "score", ""), (f"top {K}", "top", ".3f"),
                                               (f"rank {K}", "next", ".3f"), (f"{K + 1}..{2 * K - 1}", "near", ".3f"),
-                                              ("below", "far", ".3f")],
+                                              ("below", "far", ".3f"), (f"held of top {K}", "held", ".3f")],
                         title=f"\n{s}: where the needle page ranks, with this step's query (share of needle mass, "
                               "records whose needle is in a candidate page)")
 

@@ -87,3 +87,5 @@ def test_rank_table_weights_by_needle_mass():
     assert (table["true"]["top"], table["true"]["next"], table["true"]["near"], table["true"]["far"]) == \
         pytest.approx((0.8, 0.0, 0.0, 0.2))
     assert (table["x"]["top"], table["x"]["next"]) == pytest.approx((0.3, 0.7))
+    assert table["true"]["held"] == pytest.approx(0.5 / 0.8)  # of the two records true ranks top 2
+    assert table["x"]["held"] == 0.0
