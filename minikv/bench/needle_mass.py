@@ -41,9 +41,10 @@ from .common import add_common_arguments, load_model, print_table, write_json
 from .compare_run import Bound, answer, bind, prefill_all
 from .passkey import with_budget
 from .recall_probe import RecallProbe, attended_mass, full_attention_probs
-from .tasks import make_instance, string_match_all
+from .tasks import haystacks, make_instance, string_match_all
 
 COMMAND = "needle-mass"
+ONE_NEEDLE = ("passkey", "niah_single_1")  # the tasks with one needle and a choice of haystack
 
 
 # -- what is measured ----------------------------------------------------------------------------
@@ -275,6 +276,9 @@ def check(args) -> list[str]:
     specs = [with_budget(s, args.budget) for s in (args.policy or ["freekv", "icecache"])]
     for s in specs:
         make(s)  # a bad spec fails before the model loads
+    offered = [t for t in ONE_NEEDLE if args.haystack in haystacks(t)]
+    if any(t not in offered for t in args.tasks):
+        raise ValueError(f"--tasks: the tasks with one needle and a {args.haystack} haystack are {', '.join(offered)}")
     if args.length < 64 or args.top_heads < 1:
         raise ValueError("--length must be >= 64 and --top-heads >= 1")
     return specs
@@ -287,8 +291,6 @@ def run(args) -> int:
     for task in args.tasks:
         for seed in args.seeds:
             inst = make_instance(task, tok, args.length, seed, haystack=args.haystack)
-            if not inst.needles:
-                raise ValueError(f"task {task!r} has no needle span")
             results.append(run_instance(model, tok, inst, specs, answers=not args.no_answers))
             print(f"  {inst.key} seed {seed}: done", file=sys.stderr, flush=True)
     report(results, specs, args.top_heads)

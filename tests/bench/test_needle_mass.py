@@ -89,3 +89,16 @@ def test_rank_table_weights_by_needle_mass():
     assert (table["x"]["top"], table["x"]["next"]) == pytest.approx((0.3, 0.7))
     assert table["true"]["held"] == pytest.approx(0.5 / 0.8)  # of the two records true ranks top 2
     assert table["x"]["held"] == 0.0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tasks", "niah_multivalue"], "tasks with one needle"),  # four needles: one span would mislead
+    (["--tasks", "vt"], "tasks with one needle and a pydoc haystack are passkey, niah_single_1"),
+    (["--policy", "freekv:digest=sphere"], "digest"),
+    (["--length", "10"], "--length"),
+])
+def test_bad_flags_are_one_line_errors(argv, message):
+    from minikv.bench.__main__ import main
+
+    with pytest.raises(ValueError, match=message):
+        main(["--check", "needle-mass", *argv])
