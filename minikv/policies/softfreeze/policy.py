@@ -51,8 +51,9 @@ class SoftFreeze(RecoveryLadder, Policy):
     softness: float = param(4.0, "the paper's k in Eq. 3: d_j = floor(sqrt(c_j) / k)", above=0, high=2.0**16)
     history: int | None = param(None, "the paper's W: only the last W steps' detections count (none: all; "
                                       "capped by the context)", low=1)
-    score: str = param("relative", "raw (Eq. 2 as is) or relative (s_j / mean s over the layer)",
-                       choices=("raw", "relative"))
+    score: str = param("relative", "raw (Eq. 2 as is), relative (s_j / mean s over the layer) or attention "
+                                   "(|A| * the largest softmax weight over heads; tau as is)",
+                       choices=("raw", "relative", "attention"))
     egr: bool = param(True, "entropy-guided recovery on spikes of the next-token entropy")
     egr_window: int = param(16, "past entropies a spike is judged against", low=2)
     egr_z: float = param(3.0, "a spike: entropy above the mean by egr_z standard deviations...", low=0)

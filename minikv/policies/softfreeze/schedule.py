@@ -34,6 +34,19 @@ from ...kernels.attention_relevance import attention_relevance
 from ..base import LayerKV, dense_attention
 
 
+def attention_share(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """score="attention" (minikv's, not the paper's): s_j = |A| * max over query heads h of
+    softmax_h(q_h . k_j / sqrt(D)), the weight of the head that reads j most, against an even
+    spread (1 = the mean weight). Eq. 2's |q_h . k_j| ranks the other way on SmolLM2 (the keys a
+    head ignores have large negative q.k; docs/softfreeze.md), and a mean over heads freezes for
+    all what one head needs. q (1, Hq, D), k (1, Hkv, |A|, D) -> (|A|,) float32."""
+    Hq, D = q.shape[1], q.shape[2]
+    Hkv, A = k.shape[1], k.shape[2]
+    qg = q[0].float().reshape(Hkv, Hq // Hkv, D)  # query heads grouped by the KV head they read
+    p = torch.softmax(torch.bmm(qg, k[0].float().transpose(1, 2)) / D**0.5, dim=-1)  # (Hkv, G, |A|)
+    return p.amax(dim=(0, 1)) * A
+
+
 def freeze_duration(c: torch.Tensor, k: float) -> torch.Tensor:
     """Eq. 3: d_j = floor(sqrt(c_j) / k), for counts c (n,) int64 -> (n,) int64."""
     return torch.floor(torch.sqrt(c.double()) / k).long()
@@ -84,7 +97,7 @@ class Algorithm1Layer(LayerKV):
         k = self.kv[A, 0].transpose(0, 1)[None]  # (1, Hkv, |A|, D)
         v = self.kv[A, 1].transpose(0, 1)[None]
         out, s = attention_relevance(q, k, v, None, backend="eager")  # the kernel's reference
-        return out, s[0]
+        return out, (attention_share(q, k) if self.policy.score == "attention" else s[0])
 
     # -- lines 3-15, run by the policy after the last layer ------------------------------------
     def step(self, s: torch.Tensor, now: int) -> None:
