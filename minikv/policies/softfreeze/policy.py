@@ -54,6 +54,8 @@ class SoftFreeze(RecoveryLadder, Policy):
     score: str = param("relative", "raw (Eq. 2 as is), relative (s_j / mean s over the layer) or attention "
                                    "(|A| * the largest softmax weight over heads; tau as is)",
                        choices=("raw", "relative", "attention"))
+    follow: float | None = param(None, "keep (and bring back) the token after one that a head weighs at least "
+                                       "this much, for the next step (score=attention; none: off)", low=0, high=1)
     egr: bool = param(True, "entropy-guided recovery on spikes of the next-token entropy")
     egr_window: int = param(16, "past entropies a spike is judged against", low=2)
     egr_z: float = param(3.0, "a spike: entropy above the mean by egr_z standard deviations...", low=0)
@@ -72,6 +74,8 @@ class SoftFreeze(RecoveryLadder, Policy):
         while math.floor(math.sqrt(c) / self.softness) < 1:
             c += 1
         self.c_min = c
+        if self.follow is not None and self.score != "attention":
+            raise ValueError(f"follow needs score=attention (a softmax weight to compare with), got score={self.score}")
         self.declared_history = self.history  # bind caps it by the context
 
     def validate(self, cfg) -> None:
@@ -98,7 +102,7 @@ class SoftFreeze(RecoveryLadder, Policy):
         self.calm = 0  # steps since the last spike
         self.prompt_len = 0
         self.rewalk_mark = -1  # position of the last rewalk; none again until past it
-        self.counters = dict(spikes=0, soft_resets=0, window_resets=0, full_resets=0, rewalks=0,
+        self.counters = dict(followed=0, spikes=0, soft_resets=0, window_resets=0, full_resets=0, rewalks=0,
                              rewalks_refused=0, rewalked_tokens=0, recovered_tokens=0)
         return self
 
@@ -135,11 +139,26 @@ class SoftFreeze(RecoveryLadder, Policy):
     def freeze_and_thaw(self, scores: list[torch.Tensor], now: int) -> None:
         """Lines 3-15 of Algorithm 1 in every layer, on the s_j (Eq. 2) its attention gave in
         this forward: scores[l] over layer l's active tokens (benchmarks watch this call)."""
+        # follow: the tokens a head read this step, taken before the schedule moves any
+        read = None if self.follow is None else [layer.active_tokens()[s >= self.follow * len(s)]
+                                                 for layer, s in zip(self.layers, scores)]
         if self.backend == "reference":
             for layer, s in zip(self.layers, scores):
                 layer.step(s, now)
         else:
             self.state.schedule_all(scores, now)
+        if read is not None:
+            self.thaw_successors(read)
+
+    def thaw_successors(self, read: list[torch.Tensor]) -> None:
+        """follow (minikv's, beyond the paper): the token after one a head read is active for the
+        next step. A head that copies (an induction head) reads token j + 1 right after j, and
+        j + 1, idle until then, is what Algorithm 1 has frozen (a d = 1 freeze: absent every
+        other step). read[l]: the tokens layer l's heads weighed >= follow this step."""
+        for layer, tok in zip(self.layers, read):
+            mask = torch.zeros(layer.n_tok, dtype=torch.bool, device=tok.device)
+            mask[tok[tok + 1 < layer.n_tok] + 1] = True
+            self.counters["followed"] += layer.unfreeze_where(mask)
 
     # -- accounting --------------------------------------------------------------------------
     def stats(self) -> dict:
