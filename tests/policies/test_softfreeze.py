@@ -129,28 +129,46 @@ def test_relative_score_divides_by_the_mean(backend):
     assert set(raw.policy.layers[0].frozen_tokens().tolist()) == set((s < 20).nonzero()[:, 0].tolist())
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_attention_score_keeps_the_token_attention_reads(backend):
-    # token 0 has the one positive q.k (4, it takes nearly all the attention), the others q.k =
-    # -40 (ignored). Eq. 2's |q.k| ranks them the other way: relative s_0 = 4 / 35.5 < 1, so
-    # score=relative freezes the token every head reads and keeps the rest; score=attention
-    # (|A| x max_h softmax weight: ~8 for token 0, ~0 for the others) freezes the others
-    T, e = 8, torch.zeros(TINY.head_dim)
+def one_token_read(T: int, j: int):
+    """q, k, v (prefill shapes) where every head reads token j alone (q.k = 4 against -40)."""
+    e = torch.zeros(TINY.head_dim)
     e[0] = 1.0
     q = (4 * e).expand(1, TINY.n_heads, T, TINY.head_dim)
     k = (-10 * e).repeat(1, TINY.n_kv_heads, T, 1)
-    k[:, :, 0] = e
-    v = torch.randn(1, TINY.n_kv_heads, T, TINY.head_dim, generator=torch.Generator().manual_seed(0))
-    frozen = {}
-    for score in ("relative", "attention"):
-        p = make(f"softfreeze:window=0,tau=1,softness=1,score={score},egr=false,backend={backend}")
-        p.bind(TINY, device="cpu", dtype=torch.float32, max_len=16)
-        for layer in p.layers:
-            layer.prefill(q, k, v, torch.arange(T)[None])
-        p.end_step()  # softness 1: d_j = 1 from the first detection on, so one step freezes
-        frozen[score] = p.layers[0].frozen_tokens().tolist()
-    assert frozen["relative"] == [0]
-    assert frozen["attention"] == list(range(1, T))
+    k[:, :, j] = e
+    return q, k, torch.randn(1, TINY.n_kv_heads, T, TINY.head_dim, generator=torch.Generator().manual_seed(0))
+
+
+def frozen_after_prefill(spec: str, q, k, v) -> list[int]:
+    """Layer 0's frozen tokens after a prefill of q, k, v and its end_step."""
+    p = make(spec).bind(TINY, device="cpu", dtype=torch.float32, max_len=16)
+    for layer in p.layers:
+        layer.prefill(q, k, v, torch.arange(q.shape[2])[None])
+    p.end_step()
+    return p.layers[0].frozen_tokens().tolist()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_score_keeps_the_token_attention_reads(backend):
+    # every head reads token 0 (q.k = 4), none the others (q.k = -40). Eq. 2's |q.k| ranks them
+    # the other way: relative s_0 = 4 / 35.5 < 1, so score=relative freezes the token every head
+    # reads and keeps the rest; score=attention (|A| x max_h softmax weight: ~8 for token 0, ~0
+    # for the others) freezes the others. softness 1: d_j = 1 from the first detection on
+    T = 8
+    q, k, v = one_token_read(T, 0)
+    common = f"softfreeze:window=0,tau=1,softness=1,egr=false,backend={backend}"
+    assert frozen_after_prefill(common + ",score=relative", q, k, v) == [0]
+    assert frozen_after_prefill(common + ",score=attention,follow=0", q, k, v) == list(range(1, T))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_follow_keeps_the_token_after_the_one_read(backend):
+    # token 3 is read, token 4 (idle, so frozen by Algorithm 1) is what a copying head reads next
+    q, k, v = one_token_read(8, 3)
+    common = f"softfreeze:window=0,tau=1,softness=1,egr=false,score=attention,backend={backend}"
+    assert frozen_after_prefill(common + ",follow=0", q, k, v) == [0, 1, 2, 4, 5, 6, 7]
+    assert frozen_after_prefill(common + ",follow=0.5", q, k, v) == [0, 1, 2, 5, 6, 7]
+    assert frozen_after_prefill(common, q, k, v) == [0, 1, 2, 5, 6, 7]  # the default follow, 0.1
 
 
 # -- tiers, attention, invariants under random steps and rungs ---------------------------------
@@ -350,6 +368,7 @@ def test_is_spike_rule():
     ("softfreeze:window=-1", "window"), ("softfreeze:tau=-0.1", "tau"), ("softfreeze:softness=0", "softness"),
     ("softfreeze:history=0", "history"), ("softfreeze:score=cosine", "score"), ("softfreeze:egr_window=1", "egr_window"),
     ("softfreeze:rewalk_tokens=0", "rewalk_tokens"), ("softfreeze:backend=cuda", "backend"),
+    ("softfreeze:score=relative,follow=0.1", "follow"), ("softfreeze:score=attention,follow=1.5", "follow"),
 ])
 def test_impossible_parameters(spec, message):
     with pytest.raises(ValueError, match=message):

@@ -7,7 +7,8 @@ one by tests/policies/test_softfreeze_schedule.py.
 
     Algorithm 1                                          here
     line 1   Attn(Q_i, A)                                Algorithm1Layer.attend (gather A, dense)
-    line 2   s_j for j in A (Eq. 2)                      Algorithm1Layer.attend (the same pass)
+    line 2   s_j for j in A (Eq. 2)                      Algorithm1Layer.attend (the same pass;
+                                                         score=attention: attention_share)
     line 3   j outside the window of the last K, s_j < tau   Algorithm1Layer.step
     line 4   c_j <- c_j + 1 (within the last W steps)    Algorithm1Layer.count_detections
     line 5   d_j = floor(sqrt(c_j) / k) (Eq. 3)          freeze_duration
@@ -21,9 +22,10 @@ reset of the recovery ladder).
 
 Decisions (docs/design.md): a token frozen in a step keeps its timer that step (lines 10-15 skip
 it: read literally they would decrement it at once, and a d = 1 freeze would do nothing), so a
-token frozen at step t with d_j = d is absent from the attentions of steps t+1 .. t+d. With
-score="relative" (the default) tau is compared with s_j / mean(s) over A; score="raw" is Eq. 2
-as it is. Lines 3-15 of every layer run after the model's last layer (SoftFreeze.end_step): a
+token frozen at step t with d_j = d is absent from the attentions of steps t+1 .. t+d.
+score="raw" compares Eq. 2 as it is with tau, score="relative" s_j / mean(s) over A, and
+score="attention" (the default, not the paper's) |A| times the largest softmax weight a head
+gives j (attention_share). Lines 3-15 of every layer run after the model's last layer (SoftFreeze.end_step): a
 layer's result is first read by its own next attention, so nothing changes.
 """
 from __future__ import annotations
