@@ -51,7 +51,7 @@ class SoftFreeze(RecoveryLadder, Policy):
     max_batch = 1
 
     window: int = param(32, "the paper's K: the most recent tokens, never frozen", low=0)
-    tau: float = param(1.0, "relevance threshold: a token with s_j < tau is counted (Eq. 2)", low=0)
+    tau: float = param(1.0, "relevance threshold: a token with s_j < tau is counted (line 3)", low=0)
     # k > 2^16 would need over 2^32 detections before a first freeze, more than any context
     # holds: the bound keeps c_min's arithmetic finite and loses no behaviour
     softness: float = param(2.0, "the paper's k in Eq. 3: d_j = floor(sqrt(c_j) / k)", above=0, high=2.0**16)
