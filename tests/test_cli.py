@@ -245,5 +245,5 @@ def test_generate_help_lists_every_parameter_with_its_bounds_and_meaning(capsys)
     for name in available():
         for key in parameters(_REGISTRY[name]):
             assert f" {key}=" in out, (name, key)
-    assert "softness=4.0 float in (0, 65536.0]: the paper's k in Eq. 3" in out
+    assert "softness=2.0 float in (0, 65536.0]: the paper's k in Eq. 3" in out
     assert "budget larger than the context costs what full KV costs" in out

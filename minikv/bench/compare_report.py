@@ -124,7 +124,7 @@ def markdown(result: dict) -> str:
                      f"it is shown but left out of the means.")
     long_rows = [r for r in rows if r.get("long") or r.get("recall") is not None]
     if long_rows or result.get("oracle"):
-        header = ["policy", "budget", "PPL", "TPOT ms", "TPOT x full", "peak KV", "peak Mem%", "MB to device",
+        header = ["policy", "budget", "PPL", "TPOT ms", "TPOT x full", "peak KV", "Mem%", "peak Mem%", "MB to device",
                   "MB to host", "attention recall"]
         lines = []
         for r in long_rows:
@@ -132,19 +132,21 @@ def markdown(result: dict) -> str:
             lines.append([label(r), _budget(r), _cell(lg.get("ppl"), ".2f"),
                           _cell(1000 * lg["tpot_s"] if lg.get("tpot_s") else None), _cell(r.get("tpot_ratio"), ".2f"),
                           _cell(lg.get("device_tokens_peak"), ".0f"),
+                          _cell(100 * lg["kv_share_mean"] if lg.get("kv_share_mean") is not None else None, ".0f"),
                           _cell(100 * lg["kv_share_peak"] if lg.get("kv_share_peak") is not None else None, ".0f"),
                           _cell(lg["bytes_to_device"] / 2**20 if lg.get("bytes_to_device") is not None else None),
                           _cell(lg["bytes_to_host"] / 2**20 if lg.get("bytes_to_host") is not None else None),
                           _cell(r.get("recall"), ".3f")])
         for b, rec in sorted(result.get("oracle", {}).items(), key=lambda kv: int(kv[0])):
-            lines.append(["oracle (best top-b)", str(b)] + ["-"] * 7 + [_cell(rec, ".3f")])
+            lines.append(["oracle (best top-b)", str(b)] + ["-"] * 8 + [_cell(rec, ".3f")])
         title = (f"### Long prompt: {s.get('long_prompt', '?')} tokens of pydoc_data.topics, then "
                  f"{s.get('long_steps', '?')} tokens fed one at a time" if any(r.get("long") for r in long_rows)
                  else "### Attention recall (no long pass in this run)")
         parts.append(title + "\n\n" + _table(header, lines) +
-                     "\n\nPPL over the tokens fed one at a time; attention recall over every decode step of the "
-                     "tasks (layers that report attended_indices); oracle: the best b tokens per KV head under "
-                     "full KV's attention.")
+                     "\n\nPPL over the tokens fed one at a time; Mem%: the KV read after each forward of the "
+                     "pass (the prefill's included), as a share of full KV; attention recall over every decode "
+                     "step of the tasks (layers that report attended_indices); oracle: the best b tokens per KV "
+                     "head under full KV's attention.")
     errors = [r for r in result["rows"] if r.get("error")]
     if errors:
         parts.append("Rows that did not run:\n\n" + "\n".join(f"- `{r['spec']}`: {r['error']}" for r in errors))

@@ -84,8 +84,10 @@ def answer(model, tok, b: Bound, logits: torch.Tensor, n_prompt: int, max_new_to
 def lockstep_long_pass(model, ids: list[int], n_prompt: int, rows: list[Bound], rebind) -> list[dict]:
     """Prefill n_prompt tokens for every row, then feed the rest one token at a time to all rows in
     lockstep (teacher forcing): per row the mean step time, the perplexity of the fed tokens (the
-    cache decoding sees), the tiers at the end."""
+    cache decoding sees), the KV it read (sampled after every forward), the tiers at the end."""
     logits = prefill_all(model, rows, ids[:n_prompt], rebind)
+    for b in rows:
+        b.sample(n_prompt)
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     x = torch.tensor(ids, device=model.device)
     nlls = [{n_prompt - 1: nll_of(lg[0], ids[n_prompt])} for lg in logits]
@@ -101,14 +103,16 @@ def lockstep_long_pass(model, ids: list[int], n_prompt: int, rows: list[Bound], 
             sync()
             times[i].append(time.perf_counter() - t0)
             nlls[i][t[i]] = nll_of(out[0], ids[t[i] + 1])
+            b.sample(n_prompt)
             action = b.policy.last_action
             t[i] += 1 - (action.rewind if action is not None else 0)  # softfreeze's rewalk feeds tokens again
-    return [long_stats(b.policy, ts, nl, len(ids)) for b, ts, nl in zip(rows, times, nlls)]
+    return [long_stats(b, ts, nl, len(ids)) for b, ts, nl in zip(rows, times, nlls)]
 
 
-def long_stats(policy, times: list[float], nlls: dict, n_tokens: int) -> dict:
-    st = policy.stats()
+def long_stats(b: Bound, times: list[float], nlls: dict, n_tokens: int) -> dict:
+    st = b.policy.stats()
     return {"tpot_s": sum(times) / len(times), "ppl": ppl(list(nlls.values())), "steps": len(times),
+            "kv_share_mean": sum(b.device) / sum(b.seq),  # Mem%: the mean KV read over full KV's
             "device_tokens_peak": st["device_tokens_peak"], "kv_share_peak": st["device_tokens_peak"] / n_tokens,
             "bytes_to_device": st["bytes_to_device"], "bytes_to_host": st["bytes_to_host"],
             "device_bytes": st["device_bytes"], "host_bytes": st["host_bytes"],

@@ -17,7 +17,7 @@ line. Runs alternate policies `--repeats` times; times are medians.
 The trajectory is read after every step by a probe on policy.end_step (bench/probes.py), the
 same for every policy. The end value of softfreeze's compression swings with its freeze cycles (with d = 1 many tokens
 freeze and thaw on the same steps): read it beside the mean over the steps. --relevance-stats also prints
-the distribution of softfreeze's raw relevance s_j (Eq. 2), to judge its threshold tau.
+the distribution of the s_j softfreeze judges by (Eq. 2's with score=raw), to judge its threshold tau.
 """
 from __future__ import annotations
 
@@ -159,7 +159,7 @@ def run(args) -> int:
         rel = torch.cat([s.float() / s.float().mean() for s in relevance])
         stats = dict(raw=quantiles(raw), relative=quantiles(rel), raw_below_0_5=float((raw < 0.5).float().mean()),
                      relative_below_0_5=float((rel < 0.5).float().mean()))
-        print("relevance s_j (Eq. 2) quantiles, raw:      ", {k: round(v, 2) for k, v in stats["raw"].items()})
+        print("relevance s_j (the spec's score) quantiles: ", {k: round(v, 2) for k, v in stats["raw"].items()})
         print("relevance s_j / mean over active, relative:", {k: round(v, 2) for k, v in stats["relative"].items()})
         print(f"fraction below 0.5: raw {stats['raw_below_0_5']:.4f}, relative {stats['relative_below_0_5']:.4f}")
     if args.png:

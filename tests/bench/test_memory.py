@@ -8,11 +8,11 @@ from minikv.bench.__main__ import main
 
 def test_memory_bench_writes_table_json_and_png(tmp_path, capsys):
     out, png = tmp_path / "memory.json", tmp_path / "memory.png"
-    rc = main(["memory", "--new-tokens", "24", "--policy", "softfreeze:tau=2", "--relevance-stats",
+    rc = main(["memory", "--new-tokens", "24", "--policy", "softfreeze:score=relative,tau=2", "--relevance-stats",
                "--png", str(png), "--json", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
-    assert "softfreeze:tau=2" in printed and "relevance" in printed
+    assert "softfreeze:score=relative,tau=2" in printed and "relevance" in printed
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads(out.read_text())
     full, sf = data["rows"]

@@ -66,13 +66,18 @@ def run_twins(spec, n_layers, n_prompt, steps, seed, ops=(), discrete=False):
 @settings(max_examples=30, deadline=None)
 @given(n_layers=st.integers(1, 4), n_prompt=st.integers(1, 40), steps=st.integers(1, 40),
        window=st.integers(0, 6), tau=st.sampled_from([0.3, 0.5, 1.0, 1.5]), softness=st.sampled_from([0.5, 1.0, 2.0]),
-       history=st.none() | st.integers(1, 8), score=st.sampled_from(["raw", "relative"]), discrete=st.booleans(),
+       history=st.none() | st.integers(1, 8), score=st.sampled_from(["raw", "relative", "attention"]),
+       follow=st.sampled_from([None, 0.05, 0.2]), discrete=st.booleans(),
        ops=st.lists(st.sampled_from(["", "", "", "grow", "unfreeze", "soft_reset", "window_reset", "full_reset"]),
                     max_size=40),
        seed=st.integers(0, 2**16))
 def test_fast_schedule_equals_the_reference_algorithm_1(n_layers, n_prompt, steps, window, tau, softness, history,
-                                                       score, discrete, ops, seed):
-    spec = f"softfreeze:window={window},tau={tau},softness={softness},history={history},score={score},egr=false"
+                                                       score, follow, discrete, ops, seed):
+    # (the scripted scores stand in for s_j, so score=attention is tau on them as they are;
+    # follow, which only that score takes, reads them as |A| x a softmax weight)
+    follow = follow if score == "attention" else None
+    spec = (f"softfreeze:window={window},tau={tau},softness={softness},history={history},score={score},"
+            f"follow={follow},egr=false")
     run_twins(spec, n_layers, n_prompt, steps, seed, ops, discrete)
 
 

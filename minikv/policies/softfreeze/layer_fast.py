@@ -7,6 +7,7 @@ import torch
 
 from ...kernels.attention_relevance import attention_relevance
 from ..base import LayerKV, dense_attention
+from .schedule import attention_share
 from .schedule_fast import NOT_FROZEN
 
 
@@ -64,9 +65,11 @@ class SoftFreezeLayer(LayerKV):
         growth: this runs 30 times a step, and fresh views cost more than the product)."""
         state, l = self.state, self.index
         a = state.n_act[l]
-        out, s = attention_relevance(q, state.k_of[l].narrow(2, 0, a), state.v_of[l].narrow(2, 0, a),
-                                     None, backend=self.policy.backend)  # None: all a slots
-        return out, s[0]
+        k = state.k_of[l].narrow(2, 0, a)
+        out, s = attention_relevance(q, k, state.v_of[l].narrow(2, 0, a), None,
+                                     backend=self.policy.backend)  # None: all a slots
+        # score="attention" reads K a second time (the kernel computes Eq. 2 only)
+        return out, (attention_share(q, k) if self.policy.score == "attention" else s[0])
 
     def device_tokens(self) -> int:
         return self.n_act

@@ -4,7 +4,7 @@ Paper: "Adaptive Soft Rolling KV Freeze with Entropy-Guided Recovery: Sublinear 
 Efficient LLM Inference" (A. Metinov, G. M. Kudakeeva, B. uulu Nursultan, G. D. Kabaeva; arXiv
 preprint, 2025; https://arxiv.org/abs/2512.11221). Read beside Sections 3.2-3.6 and Algorithm 1.
 
-Every step, in every layer, a token j judged irrelevant (s_j of Eq. 2 below tau, outside the last
+Every step, in every layer, a token j judged irrelevant (its score s_j below tau, outside the last
 `window` = K tokens) has its count c_j raised and, once d_j = floor(sqrt(c_j) / softness) (Eq. 3,
 softness = the paper's k) is > 0, its K/V moved to the host tier for d_j steps; then it comes
 back bit for bit and is judged again. Where to read what:
@@ -15,11 +15,17 @@ back bit for bit and is judged again. Where to read what:
     kernels/attention_relevance  lines 1-2: attention and s_j in one pass (reference.py)
     schedule_fast, layer_fast    the fast form of the same schedule, all layers at once (default)
 
-Decisions (docs/design.md): a token frozen in a step keeps its timer that step (schedule.py);
-score="relative" (the default) compares s_j / mean(s) over the active tokens with tau, because
-Eq. 2 is unscaled and tau = 0.5 never fires on SmolLM2 (score="raw" is Eq. 2 as it is); the
-defaults tau = 2.0, softness = 4 and their measurements are in docs/softfreeze.md. `history` is
-the paper's W (None: counts never expire). Recovery is minikv's design (recovery.py).
+Decisions (docs/design.md): a token frozen in a step keeps its timer that step (schedule.py).
+The score: score="raw" is Eq. 2 as it is and score="relative" divides it by the mean s over the
+active tokens (Eq. 2 is unscaled: tau = 0.5 never fires on SmolLM2). Both rank tokens nearly
+opposite to the attention on SmolLM2 (a key a head ignores has a large negative q.k, so a large
+|q.k|), so score="attention" (the default, minikv's) scores a token by the largest softmax weight
+any head gives it, times |A| (schedule.attention_share), and `follow` keeps the token after one a
+head reads for the next step, which a copying head reads next (SoftFreeze.thaw_successors). The
+defaults (score=attention, tau = 1, k = 2, follow = 0.1), the paper's setting
+(score=raw,tau=0.5,softness=2), the former defaults (score=relative,tau=2,softness=4) and their
+measurements are in docs/softfreeze.md. `history` is the paper's W (None: counts never expire).
+Recovery is minikv's design (recovery.py).
 """
 from __future__ import annotations
 
@@ -45,14 +51,18 @@ class SoftFreeze(RecoveryLadder, Policy):
     max_batch = 1
 
     window: int = param(32, "the paper's K: the most recent tokens, never frozen", low=0)
-    tau: float = param(2.0, "relevance threshold: a token with s_j < tau is counted (Eq. 2)", low=0)
+    tau: float = param(1.0, "relevance threshold: a token with s_j < tau is counted (line 3)", low=0)
     # k > 2^16 would need over 2^32 detections before a first freeze, more than any context
     # holds: the bound keeps c_min's arithmetic finite and loses no behaviour
-    softness: float = param(4.0, "the paper's k in Eq. 3: d_j = floor(sqrt(c_j) / k)", above=0, high=2.0**16)
+    softness: float = param(2.0, "the paper's k in Eq. 3: d_j = floor(sqrt(c_j) / k)", above=0, high=2.0**16)
     history: int | None = param(None, "the paper's W: only the last W steps' detections count (none: all; "
                                       "capped by the context)", low=1)
-    score: str = param("relative", "raw (Eq. 2 as is) or relative (s_j / mean s over the layer)",
-                       choices=("raw", "relative"))
+    score: str = param("attention", "raw (Eq. 2 as is), relative (s_j / mean s over the layer) or attention "
+                                   "(|A| * the largest softmax weight over heads; tau as is)",
+                       choices=("raw", "relative", "attention"))
+    follow: float | None = param(None, "keep (and bring back) the token after one a head weighs at least this "
+                                       "much, for the next step: score=attention only (none: 0.1 with "
+                                       "score=attention, off with the others; 0: off)", low=0, high=1)
     egr: bool = param(True, "entropy-guided recovery on spikes of the next-token entropy")
     egr_window: int = param(16, "past entropies a spike is judged against", low=2)
     egr_z: float = param(3.0, "a spike: entropy above the mean by egr_z standard deviations...", low=0)
@@ -71,6 +81,9 @@ class SoftFreeze(RecoveryLadder, Policy):
         while math.floor(math.sqrt(c) / self.softness) < 1:
             c += 1
         self.c_min = c
+        if self.follow and self.score != "attention":
+            raise ValueError(f"follow needs score=attention (a softmax weight to compare with), got score={self.score}")
+        self.follow_weight = (0.1 if self.score == "attention" else 0.0) if self.follow is None else self.follow
         self.declared_history = self.history  # bind caps it by the context
 
     def validate(self, cfg) -> None:
@@ -97,7 +110,7 @@ class SoftFreeze(RecoveryLadder, Policy):
         self.calm = 0  # steps since the last spike
         self.prompt_len = 0
         self.rewalk_mark = -1  # position of the last rewalk; none again until past it
-        self.counters = dict(spikes=0, soft_resets=0, window_resets=0, full_resets=0, rewalks=0,
+        self.counters = dict(followed=0, spikes=0, soft_resets=0, window_resets=0, full_resets=0, rewalks=0,
                              rewalks_refused=0, rewalked_tokens=0, recovered_tokens=0)
         return self
 
@@ -134,11 +147,26 @@ class SoftFreeze(RecoveryLadder, Policy):
     def freeze_and_thaw(self, scores: list[torch.Tensor], now: int) -> None:
         """Lines 3-15 of Algorithm 1 in every layer, on the s_j (Eq. 2) its attention gave in
         this forward: scores[l] over layer l's active tokens (benchmarks watch this call)."""
+        # follow: the tokens a head read this step, taken before the schedule moves any
+        read = None if not self.follow_weight else [layer.active_tokens()[s >= self.follow_weight * len(s)]
+                                                    for layer, s in zip(self.layers, scores)]
         if self.backend == "reference":
             for layer, s in zip(self.layers, scores):
                 layer.step(s, now)
         else:
             self.state.schedule_all(scores, now)
+        if read is not None:
+            self.thaw_successors(read)
+
+    def thaw_successors(self, read: list[torch.Tensor]) -> None:
+        """follow (minikv's, beyond the paper): the token after one a head read is active for the
+        next step. A head that copies (an induction head) reads token j + 1 right after j, and
+        j + 1, idle until then, is what Algorithm 1 has frozen (a d = 1 freeze: absent every
+        other step). read[l]: the tokens some head of layer l weighed >= follow this step."""
+        for layer, tok in zip(self.layers, read):
+            mask = torch.zeros(layer.n_tok, dtype=torch.bool, device=tok.device)
+            mask[tok[tok + 1 < layer.n_tok] + 1] = True
+            self.counters["followed"] += layer.unfreeze_where(mask)
 
     # -- accounting --------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -7,7 +7,8 @@ one by tests/policies/test_softfreeze_schedule.py.
 
     Algorithm 1                                          here
     line 1   Attn(Q_i, A)                                Algorithm1Layer.attend (gather A, dense)
-    line 2   s_j for j in A (Eq. 2)                      Algorithm1Layer.attend (the same pass)
+    line 2   s_j for j in A (Eq. 2)                      Algorithm1Layer.attend (the same pass;
+                                                         score=attention: attention_share)
     line 3   j outside the window of the last K, s_j < tau   Algorithm1Layer.step
     line 4   c_j <- c_j + 1 (within the last W steps)    Algorithm1Layer.count_detections
     line 5   d_j = floor(sqrt(c_j) / k) (Eq. 3)          freeze_duration
@@ -21,9 +22,10 @@ reset of the recovery ladder).
 
 Decisions (docs/design.md): a token frozen in a step keeps its timer that step (lines 10-15 skip
 it: read literally they would decrement it at once, and a d = 1 freeze would do nothing), so a
-token frozen at step t with d_j = d is absent from the attentions of steps t+1 .. t+d. With
-score="relative" (the default) tau is compared with s_j / mean(s) over A; score="raw" is Eq. 2
-as it is. Lines 3-15 of every layer run after the model's last layer (SoftFreeze.end_step): a
+token frozen at step t with d_j = d is absent from the attentions of steps t+1 .. t+d.
+score="raw" compares Eq. 2 as it is with tau, score="relative" s_j / mean(s) over A, and
+score="attention" (the default, not the paper's) |A| times the largest softmax weight a head
+gives j (attention_share). Lines 3-15 of every layer run after the model's last layer (SoftFreeze.end_step): a
 layer's result is first read by its own next attention, so nothing changes.
 """
 from __future__ import annotations
@@ -32,6 +34,19 @@ import torch
 
 from ...kernels.attention_relevance import attention_relevance
 from ..base import LayerKV, dense_attention
+
+
+def attention_share(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """score="attention" (minikv's, not the paper's): s_j = |A| * max over query heads h of
+    softmax_h(q_h . k_j / sqrt(D)), the weight of the head that reads j most, against an even
+    spread (1 = the mean weight). Eq. 2's |q_h . k_j| ranks the other way on SmolLM2 (the keys a
+    head ignores have large negative q.k; docs/softfreeze.md), and a mean over heads freezes for
+    all what one head needs. q (1, Hq, D), k (1, Hkv, |A|, D) -> (|A|,) float32."""
+    Hq, D = q.shape[1], q.shape[2]
+    Hkv, A = k.shape[1], k.shape[2]
+    qg = q[0].float().reshape(Hkv, Hq // Hkv, D)  # query heads grouped by the KV head they read
+    p = torch.softmax(torch.bmm(qg, k[0].float().transpose(1, 2)) / D**0.5, dim=-1)  # (Hkv, G, |A|)
+    return p.amax(dim=(0, 1)) * A
 
 
 def freeze_duration(c: torch.Tensor, k: float) -> torch.Tensor:
@@ -84,7 +99,7 @@ class Algorithm1Layer(LayerKV):
         k = self.kv[A, 0].transpose(0, 1)[None]  # (1, Hkv, |A|, D)
         v = self.kv[A, 1].transpose(0, 1)[None]
         out, s = attention_relevance(q, k, v, None, backend="eager")  # the kernel's reference
-        return out, s[0]
+        return out, (attention_share(q, k) if self.policy.score == "attention" else s[0])
 
     # -- lines 3-15, run by the policy after the last layer ------------------------------------
     def step(self, s: torch.Tensor, now: int) -> None:
