@@ -272,3 +272,76 @@ def test_a_model_without_a_clustering_names_the_command(tmp_path):
     with pytest.raises(ValueError, match="no clustering for n_r=2"):
         make(f"synckv:n_r=2,clusters={write_clusters(tmp_path / 't.json', TINY, TINY_CLUSTERS)}").bind(
             TINY, device="cpu", dtype=torch.float32, max_len=40)
+
+
+# -- beyond the paper: dense layers, I_0 from several prompt queries ---------------------------------
+
+
+def test_least_agreeing_layers_are_the_lowest_mean_similarity_off_the_diagonal():
+    from minikv.policies.synckv.clusters import least_agreeing_layers
+    eye = torch.eye(3, dtype=torch.float64)
+    S = torch.stack([eye + s * (1 - eye) for s in (0.5, 0.2, 0.9, 0.2)])
+    S[2, 0, 1] = S[2, 1, 0] = 0.0  # layer 2: mean (0.9 * 4 + 0) / 6 = 0.6, still above 0.5
+    assert least_agreeing_layers(S, 1) == [1]  # ties to the lower layer
+    assert least_agreeing_layers(S, 2) == [1, 3]
+    assert least_agreeing_layers(S, 3) == [0, 1, 3]
+    S[0] = 0.5 * eye + 0.3 * (1 - eye)  # the diagonal does not count: layer 1 (0.2) still agrees least
+    assert least_agreeing_layers(S, 1) == [1]
+
+
+def test_dense_layers_keep_every_head_whole_in_the_least_agreeing_layers(tmp_path):
+    path = write_clusters(tmp_path / "s.json", TINY, TINY_CLUSTERS)
+    doc = json.loads(open(path).read())
+    doc["similarity"] = [[[1, .6, .6], [.6, 1, .6], [.6, .6, 1]], [[1, .3, .6], [.3, 1, .3], [.6, .3, 1]]]
+    open(path, "w").write(json.dumps(doc))
+    policy = make(f"synckv:budget=12,window=2,m=2,dense_layers=1,clusters={path}").bind(
+        TINY, device="cpu", dtype=torch.float32, max_len=40)
+    assert [layer.r_heads for layer in policy.layers] == [[1], [0, 1, 2]]  # layer 1 agrees least
+    g = torch.Generator().manual_seed(0)
+    for layer in policy.layers:
+        layer.prefill(*(torch.randn(1, h, 30, 16, generator=g) for h in (6, 3, 3)), None)
+        layer.decode(*(torch.randn(1, h, 1, 16, generator=g) for h in (6, 3, 3)), None)
+    assert policy.layers[0].attended_indices() is not None and policy.layers[1].attended_indices() is None
+    # Mem%: layer 0 one head whole (31) and two reading 12 - 1 (the window before its first slide)
+    layer0 = policy.layers[0].device_tokens()
+    assert policy.stats()["mem_percent"] == pytest.approx(100 * (layer0 + 31) / 62)
+    doc["similarity"] = []
+    open(path, "w").write(json.dumps(doc))
+    with pytest.raises(ValueError, match="holds no head similarity"):
+        make(f"synckv:dense_layers=1,clusters={path}").bind(TINY, device="cpu", dtype=torch.float32, max_len=40)
+    with pytest.raises(ValueError, match="dense_layers must be <= the model's 2 layers"):
+        make(f"synckv:dense_layers=3,clusters={path}").bind(TINY, device="cpu", dtype=torch.float32, max_len=40)
+
+
+def pooled_selection(q, k, r_heads, w, n_cand, k_top):
+    """I_0 from the last w queries, from scratch: per query head and query, softmax over the causal
+    prefix; mean over the w queries; max over the group; the k_top best of the first n_cand tokens."""
+    G, T = TINY.n_groups, k.shape[2]
+    out = []
+    for h in r_heads:
+        per_head = []
+        for g in range(G):
+            rows = [torch.softmax(q[0, h * G + g, t] @ k[0, h, :t + 1].T / 4.0, -1) for t in range(T - w, T)]
+            per_head.append(torch.stack([torch.cat([r, torch.zeros(T - len(r))]) for r in rows]).mean(0))
+        score = torch.stack(per_head).amax(0)[:n_cand]
+        out.append(sorted(score.argsort(descending=True)[:k_top].tolist()))
+    return out
+
+
+@pytest.mark.parametrize("w", [1, 3, 6])
+def test_initial_selection_from_the_last_w_prompt_queries(tiny_clusters, w):
+    T, W = 40, 8
+    policy = make(f"synckv:budget=26,window={W},m=1,init_queries={w},clusters={tiny_clusters}").bind(
+        TINY, device="cpu", dtype=torch.float32, max_len=60)
+    g = torch.Generator().manual_seed(w)
+    q, k, v = (torch.randn(1, h, T, 16, generator=g) for h in (6, 3, 3))
+    # token 3 is what query T - 2 of R-head 1 looks for; the last query looks elsewhere
+    k[0, 1, 3] = 3 * q[0, 2, T - 2]
+    layer = policy.layers[0]
+    layer.prefill(q, k, v, None)
+    chosen = [sorted(s + [t for t in d if t >= 0]) for s, d in zip(layer.static, layer.dynamic)]
+    k_top = policy.k_static + policy.k_dyn
+    assert chosen == pooled_selection(q, k, layer.r_heads, w, T + 1 - W, k_top)
+    assert (3 in chosen[0]) == (w > 1)
+    if w > 1:  # and with one query, the pooled path is the paper's kernel path
+        torch.testing.assert_close(layer.initial_top(q[:, layer.rq, -1:]), layer.last_query_top(q[:, layer.rq, -1]))
