@@ -302,8 +302,10 @@ class SyncKV(Policy):
     clusters: str | None = param(None, "clustering file (none: the one shipped for this model)")
     offload: bool = param(True, "offload the other heads' KV to the host (false: w/o initialization)")
     anticipation: bool = param(True, "anticipation steps (false: the initial selection only)")
-    dense_layers: int = param(0, "layers whose every KV head is an R-head (full KV, beyond the paper): the ones "
-                                 "whose heads agree least (lowest mean similarity S between heads, Eq. 2)", low=0)
+    wide_layers: int = param(0, "layers that take wide_n_r clusters instead of n_r (beyond the paper): the ones "
+                                "whose heads agree least (lowest mean similarity S between heads, Eq. 2)", low=0)
+    wide_n_r: int = param(0, "clusters per layer in the wide layers (0: n_r + 1; the model's KV heads: full KV "
+                             "there)", low=0)
     init_queries: int = param(1, "last prompt queries whose attention, averaged, chooses I_0 (1: the paper's "
                                  "last token; more: beyond the paper), at most window", low=1)
 
@@ -334,12 +336,21 @@ class SyncKV(Policy):
         if self.n_r > cfg.n_kv_heads:
             raise ValueError(f"n_r must be <= the model's {cfg.n_kv_heads} KV heads, got {self.n_r}")
         self.clustering, self.clustering_file = find_clustering(cfg, self.n_r, self.clusters)
-        if self.dense_layers > cfg.n_layers:
-            raise ValueError(f"dense_layers must be <= the model's {cfg.n_layers} layers, got {self.dense_layers}")
-        if self.dense_layers:
-            every_head = {"clusters": [[h] for h in range(cfg.n_kv_heads)], "r_heads": list(range(cfg.n_kv_heads))}
-            dense = least_agreeing_layers(read_similarity(self.clustering_file), self.dense_layers)
-            self.clustering = [every_head if i in dense else layer for i, layer in enumerate(self.clustering)]
+        if self.wide_layers:
+            self.clustering = self.widen(cfg)
+
+    def widen(self, cfg) -> list[dict]:
+        """Uneven N_r over layers: the wide_layers layers whose heads agree least take the file's
+        clustering for wide_n_r clusters (their R-heads stay whole: Mem% rises by their share)."""
+        wide_n_r = self.wide_n_r or self.n_r + 1
+        if self.wide_layers > cfg.n_layers:
+            raise ValueError(f"wide_layers must be <= the model's {cfg.n_layers} layers, got {self.wide_layers}")
+        if not self.n_r < wide_n_r <= cfg.n_kv_heads:
+            raise ValueError(f"wide_n_r must be > n_r ({self.n_r}) and <= the model's {cfg.n_kv_heads} KV heads, "
+                             f"got {wide_n_r}")
+        wide = least_agreeing_layers(read_similarity(self.clustering_file), self.wide_layers)
+        more, _ = find_clustering(cfg, wide_n_r, str(self.clustering_file))
+        return [more[i] if i in wide else layer for i, layer in enumerate(self.clustering)]
         for i, layer in enumerate(self.clustering):
             heads = sorted(h for c in layer["clusters"] for h in c)
             ok = heads == list(range(cfg.n_kv_heads)) and len(layer["r_heads"]) == len(layer["clusters"])
