@@ -274,7 +274,7 @@ def test_a_model_without_a_clustering_names_the_command(tmp_path):
             TINY, device="cpu", dtype=torch.float32, max_len=40)
 
 
-# -- beyond the paper: dense layers, I_0 from several prompt queries ---------------------------------
+# -- beyond the paper: uneven N_r over layers ---------------------------------
 
 
 def test_least_agreeing_layers_are_the_lowest_mean_similarity_off_the_diagonal():
@@ -323,35 +323,7 @@ def test_wide_layers_take_more_clusters_in_the_least_agreeing_layers(tmp_path, w
         make(f"synckv:wide_layers=1,clusters={path}").bind(TINY, device="cpu", dtype=torch.float32, max_len=40)
 
 
-def pooled_selection(q, k, r_heads, w, n_cand, k_top):
-    """I_0 from the last w queries, from scratch: per query head and query, softmax over the causal
-    prefix; mean over the w queries; max over the group; the k_top best of the first n_cand tokens."""
-    G, T = TINY.n_groups, k.shape[2]
-    out = []
-    for h in r_heads:
-        per_head = []
-        for g in range(G):
-            rows = [torch.softmax(q[0, h * G + g, t] @ k[0, h, :t + 1].T / 4.0, -1) for t in range(T - w, T)]
-            per_head.append(torch.stack([torch.cat([r, torch.zeros(T - len(r))]) for r in rows]).mean(0))
-        score = torch.stack(per_head).amax(0)[:n_cand]
-        out.append(sorted(score.argsort(descending=True)[:k_top].tolist()))
-    return out
-
-
-@pytest.mark.parametrize("w", [1, 3, 6])
-def test_initial_selection_from_the_last_w_prompt_queries(tiny_clusters, w):
-    T, W = 40, 8
-    policy = make(f"synckv:budget=26,window={W},m=1,init_queries={w},clusters={tiny_clusters}").bind(
-        TINY, device="cpu", dtype=torch.float32, max_len=60)
-    g = torch.Generator().manual_seed(w)
-    q, k, v = (torch.randn(1, h, T, 16, generator=g) for h in (6, 3, 3))
-    # token 3 is what query T - 2 of R-head 1 looks for; the last query looks elsewhere
-    k[0, 1, 3] = 3 * q[0, 2, T - 2]
-    layer = policy.layers[0]
-    layer.prefill(q, k, v, None)
-    chosen = [sorted(s + [t for t in d if t >= 0]) for s, d in zip(layer.static, layer.dynamic)]
-    k_top = policy.k_static + policy.k_dyn
-    assert chosen == pooled_selection(q, k, layer.r_heads, w, T + 1 - W, k_top)
-    assert (3 in chosen[0]) == (w > 1)
-    if w > 1:  # and with one query, the pooled path is the paper's kernel path
-        torch.testing.assert_close(layer.initial_top(q[:, layer.rq, -1:]), layer.last_query_top(q[:, layer.rq, -1]))
+def test_a_clustering_that_does_not_partition_the_heads_is_refused(tmp_path):
+    bad = write_clusters(tmp_path / "bad.json", TINY, [TINY_CLUSTERS[0], {"clusters": [[0, 2]], "r_heads": [2]}])
+    with pytest.raises(ValueError, match="layer 1's clusters do not partition the KV heads"):
+        make(f"synckv:clusters={bad}").bind(TINY, device="cpu", dtype=torch.float32, max_len=40)

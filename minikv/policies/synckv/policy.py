@@ -36,7 +36,6 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels.attention_topk import attention_topk
-from ...kernels.attention_topk.reference import stable_topk
 from ...kernels.decode_attention import decode_attention
 from ...kernels.gathered_attention import gathered_attention
 from ..base import LayerKV, Policy, dense_attention, param, register
@@ -118,16 +117,20 @@ class SyncKVLayer(LayerKV):
         if self.nr_heads:
             k_nr, v_nr = k[0, self.nr_heads], v[0, self.nr_heads]  # (Hn, T, D)
             self.bank.write_prompt(k_nr, v_nr)  # Algorithm 1 line 12: the NR-heads' KV goes whole
-            self.initialize(q[:, :, -self.policy.init_queries:], k_nr, v_nr)
+            self.initialize(q[:, :, -1], k_nr, v_nr)
         self.read_dynamic, self.read_window = list(self.dynamic), self.window_tokens()
         return out
 
     def initialize(self, q_last, k_nr, v_nr):
         """Eqs. 3-4: I_0 from the R-head's attention of the last prompt token, split by rho. The
-        candidates are the tokens before the window (the window's are read at every step anyway).
-        With init_queries > 1 (beyond the paper), the attention of the last few prompt queries."""
-        # q_last (1, Hq, w, D): the last w = init_queries prompt queries; k_nr, v_nr (Hn, T, D)
-        top = self.initial_top(q_last[:, self.rq]) if q_last.shape[2] > 1 else self.last_query_top(q_last[:, self.rq, -1])
+        candidates are the tokens before the window (the window's are read at every step anyway)."""
+        # q_last (1, Hq, D); k_nr, v_nr (Hn, T, D)
+        T, n, backend = self.T, self.start, kernel_backend(self.policy.backend)
+        q_r = q_last[:, self.rq]
+        _, lse = decode_attention(q_r, self.kr[:, :, :T], self.vr[:, :, :T], torch.tensor([T], device=q_r.device),
+                                  return_lse=True, backend=backend)
+        _, top = attention_topk(q_r, self.kr[:, :, :n], lse, torch.tensor([n], device=q_r.device), None,
+                                self.ks + self.kd, backend=backend)
         for c, row in enumerate(top[0].tolist()):
             chosen = [t for t in row if t >= 0]  # best first
             self.static[c], dyn = chosen[:self.ks], chosen[self.ks:]
@@ -137,32 +140,6 @@ class SyncKVLayer(LayerKV):
             for j, c in enumerate(self.nr_cluster):
                 tokens = self.read_tokens(c)
                 self.bank.keep_on_device(j, [self.slot_of(t, c) for t in tokens], k_nr[j, tokens], v_nr[j, tokens])
-
-    def last_query_top(self, q_r):
-        """The paper's I_0: each R-head's top k of its attention from the last prompt token,
-        max-pooled over its GQA group, among the candidates [0, start). -> (1, Hr, k) best first."""
-        # q_r (1, Hr*G, D)
-        T, n, backend = self.T, self.start, kernel_backend(self.policy.backend)
-        _, lse = decode_attention(q_r, self.kr[:, :, :T], self.vr[:, :, :T], torch.tensor([T], device=q_r.device),
-                                  return_lse=True, backend=backend)
-        _, top = attention_topk(q_r, self.kr[:, :, :n], lse, torch.tensor([n], device=q_r.device), None,
-                                self.ks + self.kd, backend=backend)
-        return top
-
-    def initial_top(self, q_r):
-        """I_0 from the last w prompt queries (init_queries, beyond the paper; SnapKV's observation
-        window): each query head's causal attention, averaged over the w queries, max-pooled over
-        the GQA group, top k among the candidates [0, start). -> (1, Hr, k) best first."""
-        # q_r (1, Hr*G, w, D)
-        T, n, w, D = self.T, self.start, q_r.shape[2], q_r.shape[3]
-        Hr = len(self.r_heads)
-        G = q_r.shape[1] // Hr
-        k = self.kr[0, :, :T].float()  # (Hr, T, D)
-        logits = torch.einsum("hgwd,htd->hgwt", q_r[0].float().view(Hr, G, w, D), k) / math.sqrt(D)
-        causal = torch.arange(T, device=k.device) > torch.arange(T - w, T, device=k.device)[:, None]  # (w, T)
-        probs = logits.masked_fill(causal, float("-inf")).softmax(-1).mean(2)  # (Hr, G, T)
-        scores = probs.amax(1)[:, :n]  # (Hr, n): App. B.1's max-pool over the group
-        return stable_topk(scores[None], self.ks + self.kd)
 
     def decode(self, q, k, v, positions):
         # q (1, Hq, 1, D); k, v (1, Hkv, 1, D)
@@ -306,8 +283,6 @@ class SyncKV(Policy):
                                 "whose heads agree least (lowest mean similarity S between heads, Eq. 2)", low=0)
     wide_n_r: int = param(0, "clusters per layer in the wide layers (0: n_r + 1; the model's KV heads: full KV "
                              "there)", low=0)
-    init_queries: int = param(1, "last prompt queries whose attention, averaged, chooses I_0 (1: the paper's "
-                                 "last token; more: beyond the paper), at most window", low=1)
 
     def __post_init__(self):
         super().__post_init__()
@@ -317,8 +292,6 @@ class SyncKV(Policy):
             raise ValueError(f"budget must be an int > the recent window's slots ({slots} = {self.ring}): static + "
                              f"dynamic + window, got {self.budget!r}")
         self.k_static, self.k_dyn = self.split(self.budget - self.ring)
-        if self.init_queries > self.window:  # the candidates precede every pooled query: no causal mask among them
-            raise ValueError(f"init_queries must be <= window ({self.window}), got {self.init_queries!r}")
 
     def split(self, k: int) -> tuple[int, int]:
         """k selected slots -> (k_static, k_dyn): the split of Eq. 4, with k_dyn = floor((1 - rho) k) as
@@ -338,6 +311,11 @@ class SyncKV(Policy):
         self.clustering, self.clustering_file = find_clustering(cfg, self.n_r, self.clusters)
         if self.wide_layers:
             self.clustering = self.widen(cfg)
+        for i, layer in enumerate(self.clustering):
+            heads = sorted(h for c in layer["clusters"] for h in c)
+            ok = heads == list(range(cfg.n_kv_heads)) and len(layer["r_heads"]) == len(layer["clusters"])
+            if not ok or any(r not in c for r, c in zip(layer["r_heads"], layer["clusters"])):
+                raise ValueError(f"{self.clustering_file}: layer {i}'s clusters do not partition the KV heads")
 
     def widen(self, cfg) -> list[dict]:
         """Uneven N_r over layers: the wide_layers layers whose heads agree least take the file's
@@ -351,11 +329,6 @@ class SyncKV(Policy):
         wide = least_agreeing_layers(read_similarity(self.clustering_file), self.wide_layers)
         more, _ = find_clustering(cfg, wide_n_r, str(self.clustering_file))
         return [more[i] if i in wide else layer for i, layer in enumerate(self.clustering)]
-        for i, layer in enumerate(self.clustering):
-            heads = sorted(h for c in layer["clusters"] for h in c)
-            ok = heads == list(range(cfg.n_kv_heads)) and len(layer["r_heads"]) == len(layer["clusters"])
-            if not ok or any(r not in c for r, c in zip(layer["r_heads"], layer["clusters"])):
-                raise ValueError(f"{self.clustering_file}: layer {i}'s clusters do not partition the KV heads")
 
     def make_layer(self, index: int) -> SyncKVLayer:
         if index == 0:  # one pair of staging buffers for all layers (they fetch one after another)
