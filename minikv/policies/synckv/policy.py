@@ -26,7 +26,8 @@ step; a token leaves the window only at a selection point (`slide_window`), as a
 between anticipations the window grows to window + m - 1 tokens and budget = k + window + m - 1.
 NR-heads read their own cluster's sets; the dynamic set is chosen among tokens not on the device
 already. Table 3's ablations: offload=False is "w/o initialization", anticipation=False "w/o
-anticipation", m=1 "w/o suspension".
+anticipation", m=1 "w/o suspension". Beyond the paper, wide_layers gives the layers whose heads
+agree least (by S, Eq. 2) more clusters than n_r (SyncKV.widen; docs/synckv.md measures why).
 """
 from __future__ import annotations
 
