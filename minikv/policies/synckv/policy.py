@@ -282,8 +282,7 @@ class SyncKV(Policy):
     anticipation: bool = param(True, "anticipation steps (false: the initial selection only)")
     wide_layers: int = param(0, "layers that take wide_n_r clusters instead of n_r (beyond the paper): the ones "
                                 "whose heads agree least (lowest mean similarity S between heads, Eq. 2)", low=0)
-    wide_n_r: int = param(0, "clusters per layer in the wide layers (0: n_r + 1; the model's KV heads: full KV "
-                             "there)", low=0)
+    wide_n_r: int = param(0, "clusters per layer in the wide layers (0: one per KV head, full KV there)", low=0)
 
     def __post_init__(self):
         super().__post_init__()
@@ -321,7 +320,7 @@ class SyncKV(Policy):
     def widen(self, cfg) -> list[dict]:
         """Uneven N_r over layers: the wide_layers layers whose heads agree least take the file's
         clustering for wide_n_r clusters (their R-heads stay whole: Mem% rises by their share)."""
-        wide_n_r = self.wide_n_r or self.n_r + 1
+        wide_n_r = self.wide_n_r or cfg.n_kv_heads
         if self.wide_layers > cfg.n_layers:
             raise ValueError(f"wide_layers must be <= the model's {cfg.n_layers} layers, got {self.wide_layers}")
         if not self.n_r < wide_n_r <= cfg.n_kv_heads:
