@@ -272,3 +272,58 @@ def test_a_model_without_a_clustering_names_the_command(tmp_path):
     with pytest.raises(ValueError, match="no clustering for n_r=2"):
         make(f"synckv:n_r=2,clusters={write_clusters(tmp_path / 't.json', TINY, TINY_CLUSTERS)}").bind(
             TINY, device="cpu", dtype=torch.float32, max_len=40)
+
+
+# -- beyond the paper: uneven N_r over layers ---------------------------------
+
+
+def test_least_agreeing_layers_are_the_lowest_mean_similarity_off_the_diagonal():
+    from minikv.policies.synckv.clusters import least_agreeing_layers
+    eye = torch.eye(3, dtype=torch.float64)
+    S = torch.stack([eye + s * (1 - eye) for s in (0.5, 0.2, 0.9, 0.2)])
+    S[2, 0, 1] = S[2, 1, 0] = 0.0  # layer 2: mean (0.9 * 4 + 0) / 6 = 0.6, still above 0.5
+    assert least_agreeing_layers(S, 1) == [1]  # ties to the lower layer
+    assert least_agreeing_layers(S, 2) == [1, 3]
+    assert least_agreeing_layers(S, 3) == [0, 1, 3]
+    S[0] = 0.5 * eye + 0.3 * (1 - eye)  # the diagonal does not count: layer 1 (0.2) still agrees least
+    assert least_agreeing_layers(S, 1) == [1]
+
+
+WIDE_CLUSTERS = [{"clusters": [[0, 1], [2]], "r_heads": [1, 2]}, {"clusters": [[0], [1, 2]], "r_heads": [0, 2]}]
+ALL_HEADS = [{"clusters": [[0], [1], [2]], "r_heads": [0, 1, 2]}] * 2
+
+
+@pytest.mark.parametrize("wide_n_r, layer1", [(0, ALL_HEADS[1]), (2, WIDE_CLUSTERS[1]), (3, ALL_HEADS[1])])
+def test_wide_layers_take_more_clusters_in_the_least_agreeing_layers(tmp_path, wide_n_r, layer1):
+    path = write_clusters(tmp_path / "s.json", TINY, TINY_CLUSTERS)
+    doc = json.loads(open(path).read())
+    doc["similarity"] = [[[1, .6, .6], [.6, 1, .6], [.6, .6, 1]], [[1, .3, .6], [.3, 1, .3], [.6, .3, 1]]]
+    doc["clusterings"].update({"2": WIDE_CLUSTERS, "3": ALL_HEADS})
+    open(path, "w").write(json.dumps(doc))
+    policy = make(f"synckv:budget=12,window=2,m=2,wide_layers=1,wide_n_r={wide_n_r},clusters={path}").bind(
+        TINY, device="cpu", dtype=torch.float32, max_len=40)
+    # layer 1 agrees least: it takes the wider clustering, layer 0 keeps n_r = 1's
+    assert [{"clusters": layer.clusters, "r_heads": layer.r_heads} for layer in policy.layers] == [TINY_CLUSTERS[0], layer1]
+    g = torch.Generator().manual_seed(0)
+    for layer in policy.layers:
+        layer.prefill(*(torch.randn(1, h, 30, 16, generator=g) for h in (6, 3, 3)), None)
+        layer.decode(*(torch.randn(1, h, 1, 16, generator=g) for h in (6, 3, 3)), None)
+    assert (policy.layers[1].attended_indices() is None) == (wide_n_r != 2)
+    # Mem%: the R-heads whole (31 tokens), the NR-heads their reads
+    whole = [len(layer.r_heads) * 31 / 3 for layer in policy.layers]
+    nr = [layer.nr_read() / 3 for layer in policy.layers]
+    assert policy.stats()["mem_percent"] == pytest.approx(100 * sum(whole + nr) / 62)
+    for spec, message in [("wide_layers=3", "wide_layers must be <= the model's 2 layers"),
+                          ("wide_layers=1,wide_n_r=4", r"wide_n_r must be > n_r \(1\) and <= the model's 3")]:
+        with pytest.raises(ValueError, match=message):
+            make(f"synckv:{spec},clusters={path}").bind(TINY, device="cpu", dtype=torch.float32, max_len=40)
+    doc["similarity"] = []
+    open(path, "w").write(json.dumps(doc))
+    with pytest.raises(ValueError, match="holds no head similarity"):
+        make(f"synckv:wide_layers=1,clusters={path}").bind(TINY, device="cpu", dtype=torch.float32, max_len=40)
+
+
+def test_a_clustering_that_does_not_partition_the_heads_is_refused(tmp_path):
+    bad = write_clusters(tmp_path / "bad.json", TINY, [TINY_CLUSTERS[0], {"clusters": [[0, 2]], "r_heads": [2]}])
+    with pytest.raises(ValueError, match="layer 1's clusters do not partition the KV heads"):
+        make(f"synckv:clusters={bad}").bind(TINY, device="cpu", dtype=torch.float32, max_len=40)

@@ -120,6 +120,18 @@ def cluster_layer(S: torch.Tensor, n_r: int, seed: int = 0) -> dict:
     return {"clusters": [clusters[i] for i in order], "r_heads": [r_heads[i] for i in order]}
 
 
+def least_agreeing_layers(S: torch.Tensor, n: int) -> list[int]:
+    """S (n_layers, Hkv, Hkv) -> the n layers whose heads agree least: lowest mean of S off its
+    diagonal (ties to the lower layer), sorted. Beyond the paper: the layers where one R-head
+    speaks worst for the others, and so where keeping every head whole buys the most."""
+    H = S.shape[1]
+    if H < 2:
+        raise ValueError("the head similarity needs at least 2 KV heads per layer")
+    off = (S.sum((1, 2)) - S.diagonal(dim1=1, dim2=2).sum(1)) / (H * (H - 1))  # (n_layers,)
+    order = sorted(range(len(off)), key=lambda i: (float(off[i]), i))
+    return sorted(order[:n])
+
+
 # -- identity and files ------------------------------------------------------------------------
 
 
@@ -177,6 +189,19 @@ def read_file(path: Path) -> dict:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ValueError(f"{path} is not a SyncKV clustering file (format {FORMAT!r})")
     return doc
+
+
+def read_similarity(path: Path) -> torch.Tensor:
+    """S of Eq. 2 as a clustering file stores it: (n_layers, Hkv, Hkv) float64."""
+    S = read_file(path).get("similarity")
+    try:
+        S = torch.tensor(S, dtype=torch.float64)
+    except (TypeError, ValueError):
+        S = None
+    if S is None or S.dim() != 3 or S.shape[1] != S.shape[2] or S.shape[0] == 0:
+        raise ValueError(f"{path} holds no head similarity (field 'similarity': n_layers x Hkv x Hkv); make one "
+                         f"with: {COMMAND}")
+    return S
 
 
 def find_clustering(cfg, n_r: int, path: str | None = None) -> tuple[list[dict], Path]:

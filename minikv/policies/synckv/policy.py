@@ -26,7 +26,8 @@ step; a token leaves the window only at a selection point (`slide_window`), as a
 between anticipations the window grows to window + m - 1 tokens and budget = k + window + m - 1.
 NR-heads read their own cluster's sets; the dynamic set is chosen among tokens not on the device
 already. Table 3's ablations: offload=False is "w/o initialization", anticipation=False "w/o
-anticipation", m=1 "w/o suspension".
+anticipation", m=1 "w/o suspension". Beyond the paper, wide_layers gives the layers whose heads
+agree least (by S, Eq. 2) more clusters than n_r (SyncKV.widen; docs/synckv.md measures why).
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from ...kernels.gathered_attention import gathered_attention
 from ..base import LayerKV, Policy, dense_attention, param, register
 from ..pool import Staging, refill
 from .bank import ContextBank
-from .clusters import find_clustering
+from .clusters import find_clustering, least_agreeing_layers, read_similarity
 
 
 class SyncKVLayer(LayerKV):
@@ -279,6 +280,9 @@ class SyncKV(Policy):
     clusters: str | None = param(None, "clustering file (none: the one shipped for this model)")
     offload: bool = param(True, "offload the other heads' KV to the host (false: w/o initialization)")
     anticipation: bool = param(True, "anticipation steps (false: the initial selection only)")
+    wide_layers: int = param(0, "layers that take wide_n_r clusters instead of n_r (beyond the paper): the ones "
+                                "whose heads agree least (lowest mean similarity S between heads, Eq. 2)", low=0)
+    wide_n_r: int = param(0, "clusters per layer in the wide layers (0: one per KV head, full KV there)", low=0)
 
     def __post_init__(self):
         super().__post_init__()
@@ -305,11 +309,26 @@ class SyncKV(Policy):
         if self.n_r > cfg.n_kv_heads:
             raise ValueError(f"n_r must be <= the model's {cfg.n_kv_heads} KV heads, got {self.n_r}")
         self.clustering, self.clustering_file = find_clustering(cfg, self.n_r, self.clusters)
+        if self.wide_layers:
+            self.clustering = self.widen(cfg)
         for i, layer in enumerate(self.clustering):
             heads = sorted(h for c in layer["clusters"] for h in c)
             ok = heads == list(range(cfg.n_kv_heads)) and len(layer["r_heads"]) == len(layer["clusters"])
             if not ok or any(r not in c for r, c in zip(layer["r_heads"], layer["clusters"])):
                 raise ValueError(f"{self.clustering_file}: layer {i}'s clusters do not partition the KV heads")
+
+    def widen(self, cfg) -> list[dict]:
+        """Uneven N_r over layers: the wide_layers layers whose heads agree least take the file's
+        clustering for wide_n_r clusters (their R-heads stay whole: Mem% rises by their share)."""
+        wide_n_r = self.wide_n_r or cfg.n_kv_heads
+        if self.wide_layers > cfg.n_layers:
+            raise ValueError(f"wide_layers must be <= the model's {cfg.n_layers} layers, got {self.wide_layers}")
+        if not self.n_r < wide_n_r <= cfg.n_kv_heads:
+            raise ValueError(f"wide_n_r must be > n_r ({self.n_r}) and <= the model's {cfg.n_kv_heads} KV heads, "
+                             f"got {wide_n_r}")
+        wide = least_agreeing_layers(read_similarity(self.clustering_file), self.wide_layers)
+        more, _ = find_clustering(cfg, wide_n_r, str(self.clustering_file))
+        return [more[i] if i in wide else layer for i, layer in enumerate(self.clustering)]
 
     def make_layer(self, index: int) -> SyncKVLayer:
         if index == 0:  # one pair of staging buffers for all layers (they fetch one after another)
