@@ -15,6 +15,8 @@ from minikv.kernels.attention_topk import reference as topk_reference
 from minikv.kernels.decode_attention import reference as attn_reference
 from minikv.models.attention import dense_attention
 from minikv.policies import make
+
+from .test_freekv import accept_reference_backend  # at import: inside a @given test it reads as nesting
 from minikv.policies.synckv.clusters import FORMAT, config_sha256
 
 from ..fixtures import ITEMS_PROMPT, greedy_logits
@@ -178,7 +180,6 @@ def test_triton_backend_matches_oracle(case, tiny_clusters):
 def test_reference_backend_matches_oracle_and_eager(case, tiny_clusters):
     """backend=reference: every operation by its reference (what eager runs for synckv, whose
     NR-heads read gathered slots, not a page pool): the oracle's reads, eager's fetches."""
-    from .test_freekv import accept_reference_backend
     with pytest.MonkeyPatch.context() as mp:
         accept_reference_backend(mp)
         ref = run_against_oracle(case, tiny_clusters, backend="reference")
