@@ -2,10 +2,10 @@
 
 A row another run adds (another policy, kvpress's presses) is appended. A row both runs measured
 (one policy at one budget, usually full KV) pools its task instances when the runs hold different
-ones (other seeds, other tasks), as if one run had measured them all; when they hold the same
-instances, the first run's row is kept (two runs of other policies on one prompt set each carry
-their full KV). Pooling needs the same model, prompt length and chat template; a partial overlap
-of instances is refused: an instance must not count twice.
+ones (other seeds, other tasks), as if one run had measured them all; when one run's instances
+include the other's, the row measured on more of them is kept (two runs of other policies on one
+prompt set each carry their full KV). Pooling needs the same model, prompt length and chat
+template; any other overlap of instances is refused: an instance must not count twice.
 """
 from __future__ import annotations
 
@@ -36,17 +36,17 @@ def merge(result: dict, extra: dict, path: str) -> None:
             result["rows"].append(row)
             continue
         have, new = instance_keys(mine), instance_keys(row)
-        if not new or new == have:  # the same prompts measured again (another run's full KV)
+        if new <= have:  # the same prompts measured again (another run's full KV), or fewer
             continue
-        if have & new:
+        if have & new and not have < new:
             raise ValueError(f"{path}: row {row_key(row)[1]} measured {len(have & new)} of the same task instances "
                              "as an earlier run, and others besides: pool only runs over different seeds or tasks")
         check_poolable(result, extra, path)
-        if have:
-            pool(mine, row)
-        else:  # the first run's row failed before any instance
+        if have & new or not have:  # it holds every instance of the first run's row, and more
             mine.clear()
             mine.update(row)
+        else:
+            pool(mine, row)
         pooled.add(row_key(row))
     if pooled:
         merge_settings(result["settings"], extra.get("settings") or {})

@@ -226,3 +226,21 @@ def test_a_run_split_by_seeds_merges_into_the_run_over_all_seeds(smollm2, tmp_pa
             assert m[key] == (None if w[key] is None else pytest.approx(w[key], rel=1e-9)), key
     assert merged["oracle"] == pytest.approx(whole["oracle"], rel=1e-9)
     assert main(["compare", "--from", str(tmp_path / "a.json"), "--include", str(tmp_path / "ab.json")]) == 2
+
+
+def test_a_row_measured_on_a_subset_or_superset_of_instances_keeps_the_larger():
+    from minikv.bench.compare_merge import merge
+
+    def run(seeds, kv):
+        result = fake_result()
+        for r in result["rows"]:
+            r["answers"] = [{"task": "niah_single_1", "seed": s, "score": 100.0} for s in seeds]
+            r["kv_mean_tokens"] = kv
+        return result
+
+    small, large = run([0], 10.0), run([0, 1, 2], 30.0)
+    merge(small, large, "large.json")  # the first run's row holds fewer: the larger replaces it
+    assert [len(r["answers"]) for r in small["rows"]] == [3, 3] and small["rows"][0]["kv_mean_tokens"] == 30.0
+    large, small = run([0, 1, 2], 30.0), run([0], 10.0)
+    merge(large, small, "small.json")  # measured again on fewer: kept as it was
+    assert [len(r["answers"]) for r in large["rows"]] == [3, 3] and large["rows"][0]["kv_mean_tokens"] == 30.0
