@@ -24,7 +24,8 @@ Decisions (docs/design.md, "freekv"): ArkVale's box is the default digest, Quest
 option; the page softmax scales P_h by 1/sqrt(D); one selection serves every KV head of a step;
 the last `window` tokens are always read, so budget = sink + window + P (the partly filled last
 page) + P K. speculative=False is plain Quest: select with q_t and recall before every attention.
-Layers below `skip_layers` keep full KV. Backends: `reference` gathers the device pages and
+Layers below `skip_layers` keep full KV. rescore > 1 (not in the paper) lets the digests
+shortlist rescore x K pages and keeps the K whose keys hold the most exact attention. Backends: `reference` gathers the device pages and
 attends densely, `eager` reads the pool in place (pool.pool_attention), `triton` runs the kernels.
 """
 from __future__ import annotations
@@ -60,16 +61,36 @@ class FreeKVLayer(PagedLayer):
     # -- selection ---------------------------------------------------------------------------
     def select(self, q: torch.Tensor) -> torch.Tensor:
         """Group-consistent top-K candidate pages per KV head for q (1, Hq, D) -> (Hkv, K), -1 pads."""
-        pages, n = self.pages, self.kv.n_cand
+        pages, n, pol = self.pages, self.kv.n_cand, self.policy
         if n:
             k = min(self.K, n)
-            _, index = page_scores(q, pages.lo[:, :, :n], pages.hi[:, :, :n], pages.n_valid, k, self.scale,
-                                   self.policy.group_reduce, backend=self.policy.backend)  # (1, Hkv, k)
-            out = index[0] if k == self.K else F.pad(index[0], (0, self.K - k), value=-1)  # (Hkv, K)
+            shortlist = min(n, k * pol.rescore) if pol.rescore > 1 else k
+            _, index = page_scores(q, pages.lo[:, :, :n], pages.hi[:, :, :n], pages.n_valid, shortlist, self.scale,
+                                   pol.group_reduce, backend=pol.backend)  # (1, Hkv, shortlist)
+            index = self.rescore(q, index[0], k) if shortlist > k else index[0]  # (Hkv, k)
+            out = index if k == self.K else F.pad(index, (0, self.K - k), value=-1)  # (Hkv, K)
             out = out.cpu()  # the bookkeeping is host-side: one small copy (and sync) on CUDA
         else:
             out = torch.full((self.kv.Hkv, self.K), -1, dtype=torch.int64)
         return out
+
+    def rescore(self, q: torch.Tensor, shortlist: torch.Tensor, k: int) -> torch.Tensor:
+        """Beyond the paper (rescore > 1): the digests' bound only shortlists rescore x K pages per
+        KV head; their keys come over from the host and the K with the most exact attention mass
+        win: a page's softmax mass over the shortlisted tokens, summed over the page, mean over the
+        group's query heads (softmax_mean's pooling, on the true scores). A bound ranks a page by its
+        most extreme key, and on natural text the needle's page is often not the one with the
+        most extreme key (docs/needle_mass.md). q (1, Hq, D), shortlist (Hkv, S) -> (Hkv, k)."""
+        H, S = shortlist.shape
+        rows = shortlist.cpu()
+        keys = self.pages.host[rows, torch.arange(H)[:, None], 0]  # (Hkv, S, P, D) gathered on the host
+        keys = self.policy.tiers.to_device(keys, fresh=True).float()
+        qg = q[0].float().view(H, self.G, -1)  # (Hkv, G, D)
+        scores = torch.einsum("hgd,hspd->hgsp", qg, keys).mul_(self.scale)  # (Hkv, G, S, P)
+        probs = scores.flatten(2).softmax(-1).view_as(scores)
+        mass = probs.sum(-1).mean(1)  # (Hkv, S)
+        best = mass.topk(k, dim=-1).indices  # (Hkv, k)
+        return shortlist.gather(1, best.to(shortlist.device))
 
     def _count_speculation(self, exact: torch.Tensor) -> None:
         # did the pages chosen with q_{t-1} (what the slots hold) equal those q_t chooses? A set
@@ -162,6 +183,8 @@ class FreeKV(Policy):
     group_reduce: str = param("softmax_mean", "how a GQA group's page scores become one", choices=GROUP_REDUCES)
     digest: str = param("arkvale", "page summary: arkvale (ArkVale's box) or minmax (Quest)", choices=DIGESTS)
     skip_layers: int = param(0, low=0)
+    rescore: int = param(0, "beyond the paper: shortlist rescore x K pages by the digest, pick K by their keys' "
+                            "exact attention (0: the paper's selection)", low=0)
 
     def __post_init__(self):
         super().__post_init__()

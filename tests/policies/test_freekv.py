@@ -272,3 +272,44 @@ def test_smollm2_passkey_4k_budget_256(smollm2, depth, seed):
     ids = build_prompt(tok, 4000, depth, key)
     r = generate(model, tok, ids, policy="freekv:budget=256,digest=arkvale", max_new_tokens=7, stop_at_eos=False)
     assert score(r.text, key), r.text
+
+
+def exact_top_pages(q, host, n, G, K, among=None):
+    """The K candidate pages (of `among`, default all n) with the most exact attention mass, per KV
+    head, a loop over heads: softmax over the listed pages' tokens per query head, each page's
+    share summed, the group's mean."""
+    out = []
+    for h in range(host.shape[1]):
+        pages = list(range(n)) if among is None else among[h]
+        keys = host[pages, h, 0].float()  # (S, P, D)
+        qs = q[0, h * G:(h + 1) * G].float()  # (G, D)
+        p = (torch.einsum("gd,spd->gsp", qs, keys) / math.sqrt(q.shape[-1])).flatten(1).softmax(-1)
+        mass = p.view(G, len(pages), -1).sum(-1).mean(0)  # (S,)
+        out.append(sorted(pages[i] for i in mass.topk(K).indices.tolist()))
+    return out
+
+
+@pytest.mark.parametrize("rescore", [2, 100])
+def test_rescore_keeps_the_shortlisted_pages_with_the_most_exact_attention(rescore):
+    # beyond the paper: the bound shortlists rescore x K pages, the keys' exact attention picks K
+    spec = f"freekv:page_size=4,sink=4,window=4,budget=20,rescore={rescore}"  # K = 2 selected pages
+    policy = make(spec).bind(TINY, device="cpu", dtype=torch.float32, max_len=80)
+    plain = make("freekv:page_size=4,sink=4,window=4,budget=20").bind(TINY, device="cpu", dtype=torch.float32,
+                                                                       max_len=80)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, 64, 16, generator=g) for h in (6, 2, 2))
+    k[0, :, 30] *= 4.0  # one loud key: the bounds favour its page, whatever its attention
+    layer, base = policy.layers[0], plain.layers[0]
+    layer.prefill(q, k, v, None)
+    base.prefill(q, k, v, None)
+    n, G = layer.kv.n_cand, 3
+    q_new = torch.randn(1, 6, 16, generator=g)
+    shortlist = [row[:min(n, 2 * rescore)] for row in
+                 ps_reference.page_scores(q_new, layer.pages.lo[:, :, :n], layer.pages.hi[:, :, :n],
+                                          layer.pages.n_valid, min(n, 2 * rescore), layer.scale)[1][0].tolist()]
+    chosen = [sorted(row) for row in layer.select(q_new).tolist()]
+    assert chosen == exact_top_pages(q_new, layer.pages.host, n, G, 2, among=shortlist)
+    if rescore == 100:  # every candidate shortlisted: the exact best pages of all
+        assert chosen == exact_top_pages(q_new, layer.pages.host, n, G, 2)
+        assert chosen != [sorted(row) for row in base.select(q_new).tolist()]  # and not the bound's
+    assert policy.tiers.bytes_to_device > plain.tiers.bytes_to_device  # the shortlist's keys crossed, counted
