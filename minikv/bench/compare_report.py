@@ -95,10 +95,19 @@ def _table(header: list[str], lines: list[list[str]]) -> str:
     return "\n".join(out)
 
 
+def _instances(rows: list[dict], settings: dict) -> str:
+    """Instances per task as measured (a run stopped early, or merged runs, may hold fewer than its
+    seeds): '20', or '3-5' when tasks differ."""
+    counts = {n for r in rows for n in (r.get("instances") or {}).values()}
+    if not counts:
+        return str(len(settings.get("seeds", [])))
+    return str(min(counts)) if len(counts) == 1 else f"{min(counts)}-{max(counts)}"
+
+
 def markdown(result: dict) -> str:
     s, rows, weak = result.get("settings", {}), [r for r in result["rows"] if not r.get("error")], result.get("weak_tasks", [])
     parts = [f"Model {result.get('model', '?')}, task prompts of {s.get('length', '?')} tokens, "
-             f"{len(s.get('seeds', []))} instance(s) per task and haystack, greedy; a cell is the mean score "
+             f"{_instances(rows, s)} instance(s) per task and haystack, greedy; a cell is the mean score "
              f"with its 95% interval in brackets (Wilson for hit-or-miss tasks, else a bootstrap over instances). "
              f"Haystack: RULER's repeated noise line, or the task's own distractors or word lists; a column "
              f"`task@pydoc` used natural text (pydoc_data) instead. "
