@@ -28,7 +28,7 @@ def merge(result: dict, extra: dict, path: str) -> None:
     """Merge the rows of `extra` (read from `path`) into `result`, in place."""
     rows = {row_key(r): r for r in result["rows"]}
     n_full = [len(instance_keys(full_row(res))) for res in (result, extra)]  # the oracle's weights
-    pooled = set()
+    how = {}  # row key -> "pooled" or "replaced"
     for row in extra["rows"]:
         row.setdefault("source", extra.get("source", Path(path).stem))
         mine = rows.get(row_key(row))
@@ -45,13 +45,17 @@ def merge(result: dict, extra: dict, path: str) -> None:
         if have & new or not have:  # it holds every instance of the first run's row, and more
             mine.clear()
             mine.update(row)
+            how[row_key(row)] = "replaced"
         else:
             pool(mine, row)
-        pooled.add(row_key(row))
-    if pooled:
+            how[row_key(row)] = "pooled"
+    if how:
         merge_settings(result["settings"], extra.get("settings") or {})
-    if row_key(full_row(result)) in pooled:
+    full = how.get(row_key(full_row(result)))
+    if full == "pooled":
         result["oracle"] = pool_oracle(result.get("oracle") or {}, extra.get("oracle") or {}, *n_full)
+    elif full == "replaced":  # the oracle goes with the full KV row it was measured on
+        result["oracle"] = extra.get("oracle") or {}
 
 
 def full_row(result: dict) -> dict:

@@ -236,14 +236,17 @@ def test_a_row_measured_on_a_subset_or_superset_of_instances_keeps_the_larger():
         for r in result["rows"]:
             r["answers"] = [{"task": "niah_single_1", "seed": s, "score": 100.0} for s in seeds]
             r["kv_mean_tokens"] = kv
+        result["oracle"] = {"64": kv / 100}
         return result
 
     small, large = run([0], 10.0), run([0, 1, 2], 30.0)
     merge(small, large, "large.json")  # the first run's row holds fewer: the larger replaces it
     assert [len(r["answers"]) for r in small["rows"]] == [3, 3] and small["rows"][0]["kv_mean_tokens"] == 30.0
+    assert small["oracle"] == {"64": 0.3}  # the oracle goes with the full KV row it was measured on
     for r in small["rows"]:
         r["instances"] = {"niah_single_1": 3}
     assert "3 instance(s) per task" in markdown(small)  # as measured, whatever the settings' seeds say
     large, small = run([0, 1, 2], 30.0), run([0], 10.0)
     merge(large, small, "small.json")  # measured again on fewer: kept as it was
     assert [len(r["answers"]) for r in large["rows"]] == [3, 3] and large["rows"][0]["kv_mean_tokens"] == 30.0
+    assert large["oracle"] == {"64": 0.3}
