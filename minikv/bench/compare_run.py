@@ -1,8 +1,9 @@
 """How bench compare runs its rows: prompt by prompt, every policy on the same prefill.
 
-A task instance is prefilled once for all the rows that can share it (SharedPrefill: every policy
-whose prefill attends the whole prompt at its absolute positions; their outputs are checked equal,
-layer by layer), and once per row for the others (streaming, whose prefill already evicts). Then
+A task instance is prefilled once for all the rows that can share it (shared_prefill.py: every
+policy whose prefill attends the whole prompt at its absolute positions; their outputs are checked
+equal, layer by layer), and once per row for the others (streaming, whose prefill already evicts,
+and any row whose output differed). Then
 each row decodes its answer greedily on its own cache. The long pass does the same and then feeds
 its tokens one at a time to every row in lockstep: step t of every row before step t + 1 of any,
 so a machine whose load drifts slows all rows alike and the TPOT ratios stay fair.
@@ -17,7 +18,7 @@ import torch
 from ..generate import decode_n_tokens, decode_one_token, prefill
 from ..policies import make
 from .recall_probe import RecallProbe, renumbers_positions
-from .passkey import SharedPrefill
+from .shared_prefill import shared_prefill
 from .ppl import nll_of, ppl
 
 
@@ -50,21 +51,20 @@ def shares_prefill(b: Bound) -> bool:
 
 
 def prefill_all(model, rows: list[Bound], ids: list[int], rebind) -> list[torch.Tensor]:
-    """Logits after the prompt, per row: one shared forward for the rows that can share it, one
-    forward each for the rest. If a shared prefill's outputs disagree, every row is rebound
-    (rebind(i) -> a fresh Bound) and prefilled alone."""
-    x = torch.tensor([ids], device=model.device)
-    lengths = torch.tensor([len(ids)], device=model.device)
+    """Logits after the prompt, per row: one shared forward for the rows that can share it
+    (shared_prefill), one forward each for the rest and for those that left the shared one
+    (rebind(i) -> a fresh Bound)."""
     shared = [i for i, b in enumerate(rows) if shares_prefill(b)]
     logits: dict[int, torch.Tensor] = {}
-    if len(shared) > 1:
-        try:
-            out = model(x, policy=SharedPrefill([rows[i].policy for i in shared], [rows[i].spec for i in shared]),
-                        logits_at=lengths - 1)
-            logits.update({i: out for i in shared})
-        except ValueError:  # the outputs differ: no sharing for this prompt
-            for i in shared:
-                rows[i] = rebind(i)
+    if shared:
+        def again(j):
+            rows[shared[j]] = rebind(shared[j])
+            return rows[shared[j]].policy
+
+        out = shared_prefill(model, ids, [rows[i].policy for i in shared], rebind=again)
+        logits.update(zip(shared, out))
+    x = torch.tensor([ids], device=model.device)
+    lengths = torch.tensor([len(ids)], device=model.device)
     for i, b in enumerate(rows):
         if i not in logits:
             logits[i] = prefill(model, x, lengths, b.policy)

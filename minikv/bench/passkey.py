@@ -14,11 +14,11 @@ a trial succeeds when the first 5-digit number in the answer is the key. Seeds d
 --budget N (repeatable) is given to every policy that takes a `budget` parameter and whose spec
 does not set one (full keeps everything); each budget makes its own rows.
 
---shared-prefill runs each prompt's prefill forward once for all policies (each policy's layers
-store the prompt's KV from the same forward; their prefill outputs must be equal, which holds for
-every policy whose prefill attends densely over the prompt, and is checked layer by layer), then
-decodes each policy on its own. The answers are those of separate runs; the prefills, which
-dominate at thousands of tokens, cost one forward instead of one per policy.
+--shared-prefill runs each prompt's prefill forward once for all policies (shared_prefill.py:
+each policy's layers store the prompt's KV from the same forward; a policy whose prefill output
+differs, checked layer by layer, is prefilled on its own), then decodes each policy on its own.
+The answers are those of separate runs; the prefills, which dominate at thousands of tokens,
+cost one forward instead of one per policy.
 
 stdout: a table with a row per policy, length and depth, then one per policy and length over all
 depths. stderr: a line per trial as it ends.
@@ -34,10 +34,10 @@ from functools import lru_cache
 import torch
 
 from ..generate import decode_n_tokens, generate
-from ..models.attention import reusing_results
 from ..policies import make
 from ..policies.base import _REGISTRY, parameters
 from .common import add_common_arguments, load_model, print_table, write_json
+from .shared_prefill import shared_prefill
 
 INSTRUCTION = ("There is an important piece of information hidden inside a lot of irrelevant text. "
                "Find it and memorize it. I will quiz you about it.\n")
@@ -111,54 +111,18 @@ def with_budget(spec: str, budget: int | None) -> str:
     return f"{name}:{rest + ',' if rest else ''}budget={budget}"
 
 
-class SharedPrefill:
-    """One prefill forward for several bound policies: every layer's prefill goes to each of
-    them, and their outputs must agree (they then hold the same prompt, as after separate runs)."""
-
-    def __init__(self, policies: list, names: list[str]):
-        self.policies, self.names = policies, names
-        self.steps = 0
-        self.last_action = None
-
-    def layer(self, index: int) -> "SharedPrefill._Layer":
-        return SharedPrefill._Layer([p.layer(index) for p in self.policies], self.names)
-
-    def rope_positions(self, positions):
-        found = [p.rope_positions(positions) if hasattr(p, "rope_positions") else positions for p in self.policies]
-        if any(not torch.equal(f, found[0]) for f in found):
-            raise ValueError("--shared-prefill: the policies rotate the prompt at different positions")
-        return found[0]
-
-    def end_step(self, logits=None):
-        for p in self.policies:
-            p.last_action = p.end_step(logits)
-        self.steps += 1
-
-    class _Layer:
-        def __init__(self, layers, names):
-            self.layers, self.names = layers, names
-
-        def prefill(self, q, k, v, positions):
-            with reusing_results():  # the dense attention over the prompt, computed once for all
-                outs = [layer.prefill(q, k, v, positions) for layer in self.layers]
-            for name, out in zip(self.names[1:], outs[1:]):
-                if not torch.equal(out, outs[0]):
-                    raise ValueError(f"--shared-prefill: {name}'s prefill output differs from {self.names[0]}'s; "
-                                     "run without --shared-prefill")
-            return outs[0]
-
-
 def shared_trials(model, tok, specs: list[str], ids: list[int], new_tokens: int) -> dict[str, dict]:
     """Prefill once for all specs, decode each greedily -> {spec: {"text", "stats"}}."""
     gc.collect()  # a policy and its layers point at each other: free the last prompt's caches first
-    policies = [make(s).bind(model.cfg, device=model.device, dtype=model.dtype, max_len=len(ids) + new_tokens)
-                for s in specs]
-    x = torch.tensor([ids], device=model.device)
+    def bind(j):
+        return make(specs[j]).bind(model.cfg, device=model.device, dtype=model.dtype, max_len=len(ids) + new_tokens)
+
+    policies = [bind(j) for j in range(len(specs))]
+    logits = shared_prefill(model, ids, policies, rebind=bind)
     lengths = torch.tensor([len(ids)], device=model.device)
-    logits = model(x, policy=SharedPrefill(policies, specs), logits_at=lengths - 1)
     found = {}
-    for spec, policy in zip(specs, policies):
-        new, _ = decode_n_tokens(model, logits, lengths, policy, new_tokens, set(), (0.0, None, None), None)
+    for spec, policy, first in zip(specs, policies, logits):
+        new, _ = decode_n_tokens(model, first, lengths, policy, new_tokens, set(), (0.0, None, None), None)
         found[spec] = {"text": tok.decode(new[0]), "stats": policy.stats()}
     return found
 
@@ -186,7 +150,7 @@ def add_arguments(p) -> None:
     p.add_argument("--filler", choices=FILLERS, default="repeat",
                    help="repeat: the test's repeated sentences; pydoc: natural text (default repeat)")
     p.add_argument("--shared-prefill", action="store_true",
-                   help="one prefill forward per prompt for all policies (their prefills must agree)")
+                   help="one prefill forward per prompt for the policies whose prefills agree")
     add_common_arguments(p)
 
 

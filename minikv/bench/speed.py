@@ -39,10 +39,10 @@ from contextlib import ExitStack
 import torch
 
 from ..generate import decode_bandwidth, decode_one_token, generate, weight_bytes_per_step
-from ..models.attention import reusing_results
 from ..policies import make
 from .common import add_common_arguments, load_model, measure_read_bandwidth, print_table, text_ids, write_json
 from .probes import timed
+from .shared_prefill import shared_prefill
 
 
 def add_arguments(p) -> None:
@@ -90,45 +90,6 @@ def baseline_policy(policies: list[str]) -> str:
     return next((p for p in policies if p.split(":")[0].strip() == "full"), policies[0])
 
 
-class LockstepPrefill:
-    """One prefill forward shared by several bound policies, like bench passkey's SharedPrefill,
-    except that a policy whose prefill output differs from the first policy's (streaming, when
-    it prunes inside a long prompt and replays the prompt over what it keeps) is not an error:
-    it leaves the shared forward at that layer and is listed in `left`, to be prefilled on its own."""
-
-    def __init__(self, policies: list, tags: list):
-        self.policies, self.tags = list(policies), list(tags)
-        self.left: list = []  # the tags of the policies that left
-        self.steps = 0
-        self.last_action = None
-
-    def layer(self, index: int):
-        return LockstepPrefill._Layer(self, index)
-
-    def rope_positions(self, positions):
-        # the first policy's (a policy rotating the prompt elsewhere differs, and leaves)
-        return self.policies[0].rope_positions(positions)
-
-    def end_step(self, logits=None):
-        for p in self.policies:
-            p.last_action = p.end_step(logits)
-        self.steps += 1
-
-    class _Layer:
-        def __init__(self, shared: "LockstepPrefill", index: int):
-            self.shared, self.index = shared, index
-
-        def prefill(self, q, k, v, positions):
-            sh = self.shared
-            with reusing_results():  # the dense attention over the prompt, computed once for all
-                outs = [p.layer(self.index).prefill(q, k, v, positions) for p in sh.policies]
-            agree = [j == 0 or torch.equal(out, outs[0]) for j, out in enumerate(outs)]
-            sh.left += [tag for tag, ok in zip(sh.tags, agree) if not ok]
-            sh.policies = [p for p, ok in zip(sh.policies, agree) if ok]
-            sh.tags = [tag for tag, ok in zip(sh.tags, agree) if ok]
-            return outs[0]
-
-
 def probe_targets(policy) -> list:
     """What the probes time in a bound policy: each layer (select, and recall where the layer
     has it) and, where the layer has no recall of its own, its storage's (icecache's pages)."""
@@ -172,21 +133,17 @@ def timed_generate(model, tokenizer, ids: list[int], spec: str, new_tokens: int)
 
 def lockstep_prefill(model, ids: list[int], specs: list[str], new_tokens: int) -> tuple[list, list]:
     """Bind every policy and prefill it -> (policies, first token of each): one forward for all
-    whose prefill agrees with the first's, one forward each for the others."""
-    def bind(spec):
-        return make(spec).bind(model.cfg, device=model.device, dtype=model.dtype, max_len=len(ids) + new_tokens)
+    whose prefill agrees with the first's, one forward each for the others (shared_prefill)."""
+    def bind(j):
+        return make(specs[j]).bind(model.cfg, device=model.device, dtype=model.dtype, max_len=len(ids) + new_tokens)
 
-    x = torch.tensor([ids], device=model.device)
-    at = torch.tensor([len(ids) - 1], device=model.device)
-    policies = [bind(s) for s in specs]
-    shared = LockstepPrefill(policies, list(range(len(specs))))  # tagged by their index in specs
-    first = model(x, policy=shared, logits_at=at).argmax(-1)
-    token = [first] * len(specs)
-    for j in shared.left:
+    def alone(j):
         print(f"  {specs[j]}: its prefill differs from {specs[0]}'s, prefilled on its own", file=sys.stderr)
-        policies[j] = bind(specs[j])  # the shared forward left it half-filled
-        token[j] = model(x, policy=policies[j], logits_at=at).argmax(-1)
-    return policies, token
+        return bind(j)
+
+    policies = [bind(j) for j in range(len(specs))]
+    logits = shared_prefill(model, ids, policies, rebind=alone)
+    return policies, [first.argmax(-1) for first in logits]
 
 
 def lockstep_runs(model, ids: list[int], specs: list[str], new_tokens: int) -> dict[str, dict]:

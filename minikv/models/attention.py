@@ -22,7 +22,7 @@ def reusing_results():
     """Inside it, a dense_attention call on the very same tensors as an earlier one (the same
     objects, not modified since) returns that call's output instead of computing it again.
 
-    For a caller that runs several caches on one forward (bench's SharedPrefill): each policy's
+    For a caller that runs several caches on one forward (bench/shared_prefill.py): each policy's
     prefill attends the same q, k, v, and at 16k tokens that attention costs as much as the rest
     of the forward, once per policy. Scoped to one layer's call, so the outputs kept are one
     layer's."""

@@ -72,13 +72,13 @@ def test_shared_prefill_answers_as_separate_runs(smollm2):
     from minikv.bench.passkey import shared_trials
     from minikv.generate import generate
 
+    # streaming at a window below the prompt prunes inside the prefill: its output differs from
+    # full KV's at the first layer, so it leaves the shared forward and is prefilled on its own
     model, tok = smollm2
     ids = build_prompt(tok, 300, 0.4, draw_key(1))
-    specs = ["full", "icecache:budget=96", "freekv:budget=128"]
+    specs = ["full", "icecache:budget=96", "streaming:sink=4,window=60,R=1,slack=0,max_drop=0", "freekv:budget=128"]
     shared = shared_trials(model, tok, specs, ids, 4)
     for spec in specs:
         alone = generate(model, tok, ids, policy=spec, max_new_tokens=4, stop_at_eos=False)
         assert shared[spec]["text"] == alone.text, spec
         assert shared[spec]["stats"]["device_tokens_peak"] == alone.stats["device_tokens_peak"]
-    with pytest.raises(ValueError, match="prefill output differs"):
-        shared_trials(model, tok, ["full", "streaming:sink=4,window=60,R=1,slack=0,max_drop=0"], ids, 2)

@@ -1,0 +1,71 @@
+"""One prefill forward for several caches: how compare, passkey and speed share a prompt.
+
+A prompt's prefill is the same forward for every policy (the policies differ in what they keep,
+not in the prompt's attention, which is dense). So the benchmarks run it once: SharedPrefill
+stands in for a policy in `model(x, policy=...)`, hands each layer's q, k, v to every policy's
+layer, and the forward goes on with the first policy's output. The dense attention over the
+prompt is computed once for all of them (models.attention.reusing_results).
+
+A policy whose prefill output differs from the first one's (streaming, when it prunes inside a
+long prompt and replays the prompt over what it keeps) or that rotates the prompt at other
+positions leaves the shared forward at that point: it is listed in `left`, its cache is
+half-filled, and the caller binds it afresh and prefills it alone (shared_prefill below).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..models.attention import reusing_results
+
+
+class SharedPrefill:
+    def __init__(self, policies: list):
+        self.policies = list(policies)
+        self.tags = list(range(len(policies)))  # each sharing policy's index in `policies`
+        self.left: list[int] = []  # the indices of the policies that left the shared forward
+        self.steps = 0
+        self.last_action = None
+
+    def layer(self, index: int) -> "SharedPrefill._Layer":
+        return SharedPrefill._Layer(self, index)
+
+    def rope_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        found = [p.rope_positions(positions) if hasattr(p, "rope_positions") else positions for p in self.policies]
+        self._keep([torch.equal(f, found[0]) for f in found])
+        return found[0]
+
+    def end_step(self, logits=None) -> None:
+        for p in self.policies:
+            p.last_action = p.end_step(logits)
+        self.steps += 1
+
+    def _keep(self, agree: list[bool]) -> None:
+        """The policies that disagree with the first one leave."""
+        self.left += [j for j, ok in zip(self.tags, agree) if not ok]
+        self.policies = [p for p, ok in zip(self.policies, agree) if ok]
+        self.tags = [j for j, ok in zip(self.tags, agree) if ok]
+
+    class _Layer:
+        def __init__(self, shared: "SharedPrefill", index: int):
+            self.shared, self.index = shared, index
+
+        def prefill(self, q, k, v, positions):
+            sh = self.shared
+            with reusing_results():  # the dense attention over the prompt, computed once for all
+                outs = [p.layer(self.index).prefill(q, k, v, positions) for p in sh.policies]
+            sh._keep([torch.equal(out, outs[0]) for out in outs])
+            return outs[0]
+
+
+def shared_prefill(model, ids: list[int], policies: list, rebind) -> list[torch.Tensor]:
+    """Logits after the prompt for each bound policy: one forward for all that agree with the
+    first, one forward each for those that left. rebind(j) binds policy j afresh (the shared
+    forward left it half-filled) and returns it; policies[j] is replaced by it."""
+    x = torch.tensor([ids], device=model.device)
+    at = torch.tensor([len(ids) - 1], device=model.device)
+    shared = SharedPrefill(policies)
+    logits = [model(x, policy=shared, logits_at=at)] * len(policies)
+    for j in shared.left:
+        policies[j] = rebind(j)
+        logits[j] = model(x, policy=policies[j], logits_at=at)
+    return logits
