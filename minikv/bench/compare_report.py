@@ -104,6 +104,20 @@ def _instances(rows: list[dict], settings: dict) -> str:
     return str(min(counts)) if len(counts) == 1 else f"{min(counts)}-{max(counts)}"
 
 
+def _run(m: dict | None, wall_s: float | None) -> str:
+    m = m or {}
+    wall = f"{wall_s / 60:.1f} min wall" if wall_s is not None else "wall time not recorded"
+    return f"{m.get('cpu', '?')}, {m.get('cpu_threads', '?')} thread(s), {m.get('gpu') or 'no GPU'}, {wall}"
+
+
+def _runs(result: dict) -> str:
+    """Where and how long each merged run ran."""
+    text = f"Run on {_run(result.get('machine'), result.get('wall_s'))}"
+    for inc in result.get("included", []):
+        text += f"; {Path(inc['file']).name}: {_run(inc.get('machine'), inc.get('wall_s'))}"
+    return text + "."
+
+
 def markdown(result: dict) -> str:
     s, rows, weak = result.get("settings", {}), [r for r in result["rows"] if not r.get("error")], result.get("weak_tasks", [])
     parts = [f"Model {result.get('model', '?')}, task prompts of {s.get('length', '?')} tokens, "
@@ -113,7 +127,7 @@ def markdown(result: dict) -> str:
              f"`task@pydoc` used natural text (pydoc_data) instead. "
              f"budget = tokens per KV head attention reads on the device ('own': the policy's defaults). "
              f"KV mean/peak: device tokens per KV head really read, over the tasks; Mem%: mean as a share of full KV. "
-             f"TPOT x full: time per output token at the long prompt over full KV's, same run."]
+             f"TPOT x full: time per output token at the long prompt over full KV's, same run. " + _runs(result)]
     for title, key, tasks in GROUPS:
         keys = sorted({k for r in rows for k in (r.get("scores") or {})}, key=lambda k: (base_task(k), k))
         present = [k for t in tasks for k in keys if base_task(k) == t]

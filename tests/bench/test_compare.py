@@ -53,6 +53,16 @@ def test_weak_tasks_are_marked_and_left_out_of_the_mean():
     assert "| oracle (best top-b) | 64 |" in text and "0.800" in text
 
 
+def test_the_report_says_where_and_how_long_each_merged_run_ran():
+    result = fake_result()
+    result.update(machine={"cpu": "AMD EPYC", "cpu_threads": 1, "gpu": None}, wall_s=750.0,
+                  included=[{"file": "/runs/seed1/compare.json", "machine": {"cpu": "Xeon", "cpu_threads": 2}}])
+    annotate(result)
+    text = markdown(result)
+    assert "Run on AMD EPYC, 1 thread(s), no GPU, 12.5 min wall; compare.json: Xeon, 2 thread(s), no GPU, " \
+           "wall time not recorded." in text
+
+
 def test_include_merges_rows_into_tables_and_json(tmp_path):
     base, extra = tmp_path / "base.json", tmp_path / "kvpress.json"
     base.write_text(json.dumps(fake_result()))
