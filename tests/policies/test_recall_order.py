@@ -18,7 +18,7 @@ import torch
 
 from minikv.config import ModelConfig
 from minikv.policies import make
-from minikv.policies.synckv import policy as synckv_policy
+from minikv.policies.synckv import layer as synckv_layer
 from minikv.policies.tiers import Tiers
 
 from .test_synckv import TINY as SYNCKV_TINY
@@ -180,13 +180,13 @@ def run_synckv(monkeypatch, tmp_path):
     policy = make(f"synckv:budget=12,window=2,m=2,rho=0.3,clusters={clusters}").bind(
         SYNCKV_TINY, device="cpu", dtype=torch.float32, max_len=80)
     install(policy, rec, monkeypatch)
-    gathered = synckv_policy.gathered_attention
+    gathered = synckv_layer.gathered_attention
     current = {}  # the layer decoding now, whose bank the attention reads
 
     def logged_gathered(*args, **kwargs):
         return log_attention(rec, current["bank"])(gathered)(*args, **kwargs)
 
-    monkeypatch.setattr(synckv_policy, "gathered_attention", logged_gathered)
+    monkeypatch.setattr(synckv_layer, "gathered_attention", logged_gathered)
     g = torch.Generator().manual_seed(1)
     x = lambda H, T: torch.randn(1, H, T, SYNCKV_TINY.head_dim, generator=g)
     for layer in policy.layers:

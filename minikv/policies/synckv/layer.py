@@ -1,0 +1,238 @@
+"""synckv's layer: what each head reads at a decode step and when the reads change (Algorithm 1).
+
+policy.py holds the paper, the map from Algorithm 1's lines to these methods, and the decisions.
+R-heads keep their full KV on the device; NR-heads read static + dynamic + window slots of the
+device store (bank.py), chosen by their cluster's R-head.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ...kernels.attention_topk import attention_topk
+from ...kernels.decode_attention import decode_attention
+from ...kernels.gathered_attention import gathered_attention
+from ..base import LayerKV, dense_attention
+from ..pool import refill
+from .bank import ContextBank
+
+if TYPE_CHECKING:
+    from .policy import SyncKV
+
+
+class SyncKVLayer(LayerKV):
+    def __init__(self, policy: "SyncKV", index: int):
+        super().__init__(policy, index)
+        cfg, dev, D = policy.cfg, policy.tiers.device, policy.cfg.head_dim
+        spec = policy.clustering[index]
+        self.clusters, self.r_heads = spec["clusters"], spec["r_heads"]  # cluster c: members, R-head
+        self.nr_heads = [h for c in self.clusters for h in c if h not in self.r_heads]
+        self.nr_cluster = [next(c for c, members in enumerate(self.clusters) if h in members) for h in self.nr_heads]
+        G = cfg.n_groups
+        self.rq = torch.tensor([h * G + g for h in self.r_heads for g in range(G)], device=dev)  # their query heads
+        self.nq = torch.tensor([h * G + g for h in self.nr_heads for g in range(G)], device=dev)
+        Hr, Hn, n = len(self.r_heads), len(self.nr_heads), policy.max_len
+        self.ks, self.kd, self.W, self.R = policy.k_static, policy.k_dyn, policy.window, policy.ring
+        self.kr = torch.zeros((1, Hr, n, D), dtype=policy.dtype, device=dev)  # R-heads: full KV, device
+        self.vr = torch.zeros((1, Hr, n, D), dtype=policy.dtype, device=dev)
+        self.keep = torch.ones(1, Hr, n, dtype=torch.bool, device=dev)  # False: static, never re-selected
+        self.offload = policy.offload and Hn > 0  # False: "w/o initialization", slot = token index
+        # NR-heads' device slots (with offloading): [0, ks) static, [ks, ks + kd) dynamic, then a
+        # ring of R = window + m - 1 slots holding the recent window, token t in slot ks + kd + t % R
+        self.bank = ContextBank(n_heads=Hn, max_len=n, slots=self.ks + self.kd + self.R, head_dim=D, dtype=policy.dtype,
+                                tiers=policy.tiers, offload=self.offload, staging=policy.staging)
+        self.static = [[] for _ in self.clusters]  # per cluster: token indices, slot order
+        self.dynamic = [[-1] * self.kd for _ in self.clusters]  # per cluster: token held by each dynamic slot
+        self.read_dynamic, self.read_window = self.dynamic, range(0)  # what the last step read
+        self.T = self.length = self.step = 0
+        self.start = 0  # the recent window is tokens [start, length); tokens before it are candidates
+        self.anticipations = self.fetched = 0  # tokens copied host -> device, per NR-head
+
+    # -- where tokens are ----------------------------------------------------------------------
+    def window_tokens(self) -> range:
+        """The recent window (on the device for every head): the last `window` tokens at least,
+        and those that have come and gone since the last selection point."""
+        return range(self.start, self.length)
+
+    def read_tokens(self, c: int, dynamic=None) -> list[int]:
+        """Token indices an NR-head of cluster c reads: static, dynamic, window (disjoint)."""
+        dynamic = (dynamic or self.dynamic)[c]
+        return self.static[c] + [t for t in dynamic if t >= 0] + list(self.window_tokens())
+
+    def slot_of(self, t: int, c: int) -> int:
+        if not self.offload:
+            return t
+        if t >= self.start:  # in the window ring
+            return self.ks + self.kd + t % self.R
+        if t in self.static[c]:
+            return self.static[c].index(t)
+        return self.ks + self.dynamic[c].index(t)
+
+    def nr_index(self) -> torch.Tensor:
+        """(1, Hn, N) slots each NR-head reads, -1 padded."""
+        rows = []
+        for c in self.nr_cluster:
+            if self.offload:  # slot numbers without a lookup per token
+                dyn = [self.ks + j for j, t in enumerate(self.dynamic[c]) if t >= 0]
+                win = [self.ks + self.kd + t % self.R for t in self.window_tokens()]
+                rows.append(list(range(len(self.static[c]))) + dyn + win)
+            else:
+                rows.append(self.read_tokens(c))
+        n = max(len(r) for r in rows)
+        return torch.tensor([[r + [-1] * (n - len(r)) for r in rows]], device=self.kr.device)
+
+    # -- the contract --------------------------------------------------------------------------
+    def prefill(self, q, k, v, positions):
+        # q (1, Hq, T, D); k, v (1, Hkv, T, D)
+        out = dense_attention(q, k, v)
+        T = self.T = self.length = k.shape[2]
+        self.kr[:, :, :T] = k[:, self.r_heads]
+        self.vr[:, :, :T] = v[:, self.r_heads]
+        # the first decode step reads the last `window` tokens: the prompt's from start on
+        self.start = max(0, T + 1 - self.W)
+        if self.nr_heads:
+            k_nr, v_nr = k[0, self.nr_heads], v[0, self.nr_heads]  # (Hn, T, D)
+            self.bank.write_prompt(k_nr, v_nr)  # Algorithm 1 line 12: the NR-heads' KV goes whole
+            self.initialize(q[:, :, -1], k_nr, v_nr)
+        self.read_dynamic, self.read_window = list(self.dynamic), self.window_tokens()
+        return out
+
+    def initialize(self, q_last, k_nr, v_nr):
+        """Eqs. 3-4: I_0 from the R-head's attention of the last prompt token, split by rho. The
+        candidates are the tokens before the window (the window's are read at every step anyway)."""
+        # q_last (1, Hq, D); k_nr, v_nr (Hn, T, D)
+        T, n, backend = self.T, self.start, self.policy.backend
+        q_r = q_last[:, self.rq]
+        _, lse = decode_attention(q_r, self.kr[:, :, :T], self.vr[:, :, :T], torch.tensor([T], device=q_r.device),
+                                  return_lse=True, backend=backend)
+        _, top = attention_topk(q_r, self.kr[:, :, :n], lse, torch.tensor([n], device=q_r.device), None,
+                                self.ks + self.kd, backend=backend)
+        for c, row in enumerate(top[0].tolist()):
+            chosen = [t for t in row if t >= 0]  # best first
+            self.static[c], dyn = chosen[:self.ks], chosen[self.ks:]
+            self.dynamic[c] = dyn + [-1] * (self.kd - len(dyn))
+            self.keep[0, c, self.static[c]] = False
+        if self.offload:  # the NR-heads keep I_0 and the window on the device (Sec. 4.2)
+            for j, c in enumerate(self.nr_cluster):
+                tokens = self.read_tokens(c)
+                self.bank.keep_on_device(j, [self.slot_of(t, c) for t in tokens], k_nr[j, tokens], v_nr[j, tokens])
+
+    def decode(self, q, k, v, positions):
+        # q (1, Hq, 1, D); k, v (1, Hkv, 1, D)
+        self.append(k, v)
+        L, backend = self.length, self.policy.backend
+        q1 = q[:, :, 0]  # (1, Hq, D)
+        out = torch.empty_like(q1)
+        q_r = q1[:, self.rq]
+        # line 22: R-heads over their full KV; the lse is their attention's normaliser (Eq. 5)
+        out_r, lse_r = decode_attention(q_r, self.kr[:, :, :L], self.vr[:, :, :L], torch.tensor([L], device=q1.device),
+                                        return_lse=True, backend=backend)
+        out[:, self.rq] = out_r
+        if self.nr_heads:
+            self.bank.wait()  # the last fetch has landed
+            # line 24: NR-heads over static + dynamic + window, each head its own slots
+            out[:, self.nq] = gathered_attention(q1[:, self.nq], self.bank.store_k, self.bank.store_v, self.nr_index(),
+                                                 backend=backend)
+        self.step += 1
+        self.read_window = self.window_tokens()  # what this step read (the rest may change below)
+        self.read_dynamic = list(self.dynamic)
+        if not self.nr_heads:
+            return out[:, :, None]
+        if not self.policy.anticipation:  # nothing will ever judge a token that leaves: it leaves now
+            self.slide_window()
+        elif self.step % self.policy.m == 0:
+            self.slide_window()
+            self.anticipate(q_r, lse_r)  # lines 26-31, for the steps that follow
+        return out[:, :, None]
+
+    def slide_window(self):
+        """A selection point: the window shrinks to the last `window` tokens as of the next step;
+        the generated tokens that leave it go to the bank (the prompt is there already)."""
+        start = max(self.start, self.length + 1 - self.W)
+        leaving = range(max(self.start, self.T), start)
+        if self.offload and leaving:
+            self.bank.spill(list(leaving), [self.ks + self.kd + t % self.R for t in leaving])
+        self.start = start
+
+    def append(self, k, v):
+        """A new token: R-heads' full KV; NR-heads' window ring (the slot it takes belongs to a
+        token that left the window at a selection point, and went to the bank then)."""
+        p = self.length
+        if p >= self.kr.shape[2]:
+            raise ValueError(f"the sequence outgrew max_len ({self.kr.shape[2]} tokens)")
+        self.kr[0, :, p] = k[0, self.r_heads, 0]
+        self.vr[0, :, p] = v[0, self.r_heads, 0]
+        if self.nr_heads:
+            k_nr, v_nr = k[0, self.nr_heads, 0], v[0, self.nr_heads, 0]  # (Hn, D)
+            if self.offload:
+                self.bank.push(self.ks + self.kd + p % self.R, k_nr, v_nr)
+            else:
+                self.bank.push(p, k_nr, v_nr)
+        self.length = p + 1
+
+    def anticipate(self, q_r, lse_r):
+        """Eqs. 5-7: each R-head's top k_dyn among the tokens before the window, not static, then
+        fetch."""
+        # q_r (1, Hr*G, D); lse_r (1, Hr*G): this step's R-head queries and their normalisers
+        n = self.start  # the candidates: tokens [0, start), all in the bank
+        self.anticipations += 1
+        if self.kd == 0:  # rho = 1: no dynamic set to choose
+            return
+        _, top = attention_topk(q_r, self.kr[:, :, :n], lse_r, torch.tensor([n], device=q_r.device),
+                                self.keep[:, :, :n], self.kd, backend=self.policy.backend)
+        moves = []  # (cluster, dynamic slot, token)
+        for c, row in enumerate(top[0].tolist()):
+            if len(self.clusters[c]) == 1:
+                continue  # a cluster of its R-head alone has nobody to serve
+            self.dynamic[c] = held = list(self.dynamic[c])  # a new list: read_dynamic keeps the old one
+            moves += [(c, j, t) for t, j in refill(held, row)]
+        if self.offload and moves:
+            self.fetch(moves)
+
+    def fetch(self, moves):
+        """Eq. 7: every NR-head of a moved token's cluster gets the bank's row in the chosen slot."""
+        rows = [(j, t, self.ks + slot) for j, c in enumerate(self.nr_cluster) for cc, slot, t in moves if cc == c]
+        self.fetched += len(rows)
+        self.bank.fetch(rows)
+
+    # -- what was read, and where it lives --------------------------------------------------------
+    def attended_indices(self) -> torch.Tensor | None:
+        """(Hkv, n) int64 token indices the last decode step read per KV head, -1 padded; None
+        when every head read every token."""
+        L = self.length
+        rows = {h: list(range(L)) for h in self.r_heads}
+        rows.update({h: self.static[c] + [t for t in self.read_dynamic[c] if t >= 0] + list(self.read_window)
+                     for h, c in zip(self.nr_heads, self.nr_cluster)})
+        if all(len(r) == L for r in rows.values()):
+            return None
+        n = max(len(r) for r in rows.values())
+        return torch.tensor([rows[h] + [-1] * (n - len(rows[h])) for h in range(self.cfg.n_kv_heads)])
+
+    def nr_read(self) -> int:
+        """Tokens the NR-heads read at the last step, summed (counted, not listed: end_step asks
+        every step)."""
+        n_window = len(self.read_window)
+        per_cluster = [len(s) + sum(t >= 0 for t in d) + n_window for s, d in zip(self.static, self.read_dynamic)]
+        return sum(per_cluster[c] for c in self.nr_cluster)
+
+    def device_tokens(self) -> float:
+        return (len(self.r_heads) * self.length + self.nr_read()) / self.cfg.n_kv_heads
+
+    def resident_tokens(self) -> float:
+        """KV held on the device per KV head (for Mem%): w/o initialization, all of it."""
+        return self.device_tokens() if self.offload or not self.nr_heads else float(self.length)
+
+    def host_tokens(self) -> float:
+        n = max(self.T, self.start) if self.offload else 0  # the prompt, and generated tokens past the window
+        return len(self.nr_heads) * n / self.cfg.n_kv_heads
+
+    def allocated_device_tokens(self) -> float:
+        Hr, Hn, Hkv = len(self.r_heads), len(self.nr_heads), self.cfg.n_kv_heads
+        return (Hr * self.kr.shape[2] + Hn * self.bank.store_k.shape[2]) / Hkv
+
+    def allocated_host_tokens(self) -> float:
+        return len(self.nr_heads) * self.kr.shape[2] / self.cfg.n_kv_heads if self.offload else 0
+
+    def aux_bytes(self) -> tuple[int, int]:
+        return self.keep.numel() * self.keep.element_size(), 0
