@@ -34,7 +34,7 @@ from collections import defaultdict
 import torch
 
 from ..generate import decode_n_tokens, decode_one_token
-from ..kernels.page_scores import GROUP_REDUCES, page_scores
+from ..kernels.page_scores import GROUP_REDUCES, pack_codes, page_scores
 from ..policies import make
 from ..policies.paged import DIGESTS, HostPages, page_digest
 from .common import add_common_arguments, load_model, print_table, write_json
@@ -115,8 +115,9 @@ class NeedleProbe(RecallProbe):
             k = keys[:, cand].reshape(kv.Hkv, n_cand, P, -1).transpose(0, 1)  # (n_cand, Hkv, P, D)
             for digest in DIGESTS:
                 lo, hi = (t.transpose(0, 1)[None] for t in page_digest(k, digest))  # (1, Hkv, n_cand, D)
+                codes = pack_codes(k.transpose(0, 1)[None], lo, hi) if digest == "quant2" else None
                 for reduce in GROUP_REDUCES:
-                    scores, _ = page_scores(q[None], lo, hi, torch.tensor([n_cand]), 1, layer.scale, reduce)
+                    scores, _ = page_scores(q[None], lo, hi, torch.tensor([n_cand]), 1, layer.scale, reduce, codes)
                     out[f"rank/{digest}/{reduce}"] = best_rank(scores[0], pages)
         return out
 

@@ -65,8 +65,9 @@ class FreeKVLayer(PagedLayer):
         if n:
             k = min(self.K, n)
             shortlist = min(n, k * pol.rescore) if pol.rescore > 1 else k
+            codes = pages.codes[:, :, :n] if pages.codes is not None else None
             _, index = page_scores(q, pages.lo[:, :, :n], pages.hi[:, :, :n], pages.n_valid, shortlist, self.scale,
-                                   pol.group_reduce, backend=pol.backend)  # (1, Hkv, shortlist)
+                                   pol.group_reduce, codes, backend=pol.backend)  # (1, Hkv, shortlist)
             index = self.rescore(q, index[0], k) if shortlist > k else index[0]  # (Hkv, k)
             out = index if k == self.K else F.pad(index, (0, self.K - k), value=-1)  # (Hkv, K)
             out = out.cpu()  # the bookkeeping is host-side: one small copy (and sync) on CUDA
@@ -181,7 +182,9 @@ class FreeKV(Policy):
     tau: float = param(0.9, "correction threshold on the cosine of consecutive queries", low=-1.0, high=1.0)
     speculative: bool = param(True, "select with the previous step's query (speculative retrieval)")
     group_reduce: str = param("softmax_mean", "how a GQA group's page scores become one", choices=GROUP_REDUCES)
-    digest: str = param("arkvale", "page summary: arkvale (ArkVale's box) or minmax (Quest)", choices=DIGESTS)
+    digest: str = param("arkvale", "page summary: arkvale (ArkVale's box), minmax (Quest) or, beyond the papers, "
+                                   "quant2 (Quest's box and 2-bit codes of each key: pages scored by their "
+                                   "approximate attention mass)", choices=DIGESTS)
     skip_layers: int = param(0, low=0)
     rescore: int = param(0, "beyond the paper: shortlist rescore x K pages by the digest, pick K by their keys' "
                             "exact attention (0: the paper's selection)", low=0)

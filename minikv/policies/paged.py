@@ -36,17 +36,18 @@ import math
 import torch
 
 from ..kernels.page_gather import page_gather
+from ..kernels.page_scores import pack_codes
 from ..kernels.page_layout import hnd_to_nhd, nhd_to_hnd
 from .base import LayerKV
 from .pool import PagePool, Staging, refill
 
-DIGESTS = ("minmax", "arkvale")
+DIGESTS = ("minmax", "arkvale", "quant2")  # quant2: Quest's box and 2-bit codes of each key in it
 
 
 def page_digest(k: torch.Tensor, kind: str = "minmax") -> tuple[torch.Tensor, torch.Tensor]:
     """Box (lo, hi) of each page's keys per channel: k (n, Hkv, P, D) -> lo, hi (n, Hkv, D)."""
     kmin, kmax = k.amin(dim=2), k.amax(dim=2)
-    if kind == "minmax":  # Quest: the tightest box holding every key
+    if kind in ("minmax", "quant2"):  # Quest: the tightest box holding every key
         return kmin, kmax
     if kind == "arkvale":  # ArkVale's cuboid: centre +- the mean distance of the keys to it
         centre = (kmin + kmax) / 2
@@ -81,6 +82,9 @@ class HostPages:
         self.lo = torch.zeros(1, H, self.max_pages, D, dtype=dtype, device=dev)  # digests, on the device
         self.hi = torch.zeros(1, H, self.max_pages, D, dtype=dtype, device=dev)
         self.n_valid = torch.zeros(1, dtype=torch.int64, device=dev)  # pages held, as page_scores' n_valid
+        # quant2: each key's 2-bit codes in its page's box, four channels a byte (page_scores' codes)
+        self.codes = torch.zeros(1, H, self.max_pages, P, (D + 3) // 4, dtype=torch.uint8, device=dev) \
+            if digest == "quant2" else None
 
     def offload(self, k: torch.Tensor, v: torch.Tensor, first: int) -> None:
         """Pages leaving the window, k, v (n, P, Hkv, D) NHD -> candidates first.. : host HND blocks
@@ -92,6 +96,8 @@ class HostPages:
         lo, hi = page_digest(blocks[:, :, 0], self.digest)  # (n, Hkv, D)
         self.lo[0, :, first:first + n] = lo.transpose(0, 1)
         self.hi[0, :, first:first + n] = hi.transpose(0, 1)
+        if self.codes is not None:
+            self.codes[0, :, first:first + n] = pack_codes(blocks[:, :, 0], lo, hi).transpose(0, 1)
         self.n_valid.fill_(first + n)
 
     def lens(self, held: list[list[int]]) -> list[list[int]]:
@@ -105,8 +111,8 @@ class HostPages:
         return list(range(start, start + n))
 
     def aux_bytes(self) -> tuple[int, int]:
-        """(device, host) bytes besides the K/V pages: the digests."""
-        return sum(t.numel() * t.element_size() for t in (self.lo, self.hi)), 0
+        """(device, host) bytes besides the K/V pages: the digests (and codes)."""
+        return sum(t.numel() * t.element_size() for t in (self.lo, self.hi, self.codes) if t is not None), 0
 
 
 class PagedKV:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minikv.kernels._testing import assert_close
-from minikv.kernels.page_scores import page_scores
+from minikv.kernels.page_scores import pack_codes, page_scores, unpack_codes
 
 
 @st.composite
@@ -146,3 +146,98 @@ def test_every_head_of_a_group_shares_one_selection_and_pads_with_minus_one():
         page_scores(q, lo, hi, torch.tensor([3]), 2, group_reduce="median")
     with pytest.raises(ValueError, match="k must be"):
         page_scores(q, lo, hi, torch.tensor([3]), 6)
+
+
+# -- with 2-bit key codes (freekv's digest=quant2) ------------------------------------------------
+
+
+@st.composite
+def code_cases(draw):
+    """Small shapes (the kernel loops over page tokens and channels in Triton's interpreter)."""
+    B, Hkv, G = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    N, P, D = draw(st.integers(1, 12)), draw(st.integers(1, 4)), draw(st.sampled_from([3, 4, 8, 12]))
+    return dict(B=B, Hkv=Hkv, G=G, N=N, P=P, D=D, n_valid=draw(st.lists(st.integers(0, N), min_size=B, max_size=B)),
+                reduce=draw(st.sampled_from(["softmax_mean", "mean", "max"])), seed=draw(st.integers(0, 2**16)))
+
+
+def code_inputs(case):
+    """q, keys (B, Hkv, N, P, D), their min/max boxes, the packed codes; NaN boxes past n_valid."""
+    g = torch.Generator().manual_seed(case["seed"])
+    B, Hkv, G, N, P, D = (case[x] for x in "B Hkv G N P D".split())
+    q = torch.randn(B, Hkv * G, D, generator=g)
+    keys = torch.randn(B, Hkv, N, P, D, generator=g)
+    lo, hi = keys.amin(3), keys.amax(3)
+    codes = pack_codes(keys, lo, hi)
+    for b, n in enumerate(case["n_valid"]):
+        lo[b, :, n:] = float("nan")
+        hi[b, :, n:] = float("nan")
+    return q, keys, lo, hi, codes, torch.tensor(case["n_valid"])
+
+
+@given(case=code_cases())
+def test_codes_stand_for_each_key_within_a_sixth_of_its_box(case):
+    _, keys, _, _, _, _ = code_inputs(case)
+    lo, hi = keys.amin(3), keys.amax(3)
+    codes = pack_codes(keys, lo, hi)
+    assert codes.dtype == torch.uint8 and codes.shape[-1] == (case["D"] + 3) // 4  # 2 bits per channel
+    error = (unpack_codes(codes, lo, hi) - keys).abs()
+    assert (error <= (hi - lo).unsqueeze(3) / 6 + 1e-6).all()
+    grid = lo.unsqueeze(3) + torch.randint(0, 4, keys.shape).float() * (hi - lo).unsqueeze(3) / 3
+    assert torch.allclose(unpack_codes(pack_codes(grid, lo, hi), lo, hi), grid, atol=1e-5)  # on the grid: exact
+
+
+@given(case=code_cases())
+def test_code_scores_are_the_page_mass_of_the_coded_keys(case):
+    """P_h[n] = log sum_t exp(scale q . k^_t) / scale, one head and page at a time in float64."""
+    q, _, lo, hi, codes, n_valid = code_inputs(case)
+    G, scale = case["G"], 0.4
+    k = case["N"]
+    scores, _ = page_scores(q, lo, hi, n_valid, k, scale, case["reduce"], codes)
+    approx = unpack_codes(codes, lo, hi).double()  # (B, Hkv, N, P, D)
+    for b in range(case["B"]):
+        n = int(n_valid[b])
+        for m in range(case["Hkv"]):
+            if n == 0:
+                assert (scores[b, m] == float("-inf")).all()
+                continue
+            P = torch.stack([torch.logsumexp(scale * approx[b, m, :n] @ q[b, m * G + j].double(), -1) / scale
+                             for j in range(G)])  # (G, n)
+            s = {"softmax_mean": lambda: torch.softmax(P * scale, 1).mean(0), "mean": lambda: P.mean(0),
+                 "max": lambda: P.max(0).values}[case["reduce"]]()
+            assert_close(scores[b, m, :n], s.float(), torch.float32, name="scores")
+            assert (scores[b, m, n:] == float("-inf")).all()
+
+
+@settings(max_examples=12)
+@given(case=code_cases())
+def test_code_scores_kernel_equals_reference(case):
+    q, _, lo, hi, codes, n_valid = code_inputs(case)
+    k = case["N"]
+    ref_scores, ref_index = page_scores(q, lo, hi, n_valid, k, 0.3, case["reduce"], codes)
+    scores, index = page_scores(q, lo, hi, n_valid, k, 0.3, case["reduce"], codes, backend="triton")
+    finite = ref_scores > float("-inf")
+    assert torch.equal(scores > float("-inf"), finite)
+    assert_close(scores[finite], ref_scores[finite], torch.float32, name="scores")
+    assert torch.equal(index < 0, ref_index < 0)
+    assert_close(ref_scores.gather(-1, index.clamp_min(0)), ref_scores.gather(-1, ref_index.clamp_min(0)),
+                 torch.float32, name="picked scores")
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_codes_rank_the_page_whose_key_matches_above_a_loose_box(backend):
+    """Why the codes: page 0 holds one key along q among keys across it; page 1's keys spread over
+    every channel, none along q (box bound 7 against page 0's 6). The bound favours page 1's loose box;
+    the codes see page 0's key."""
+    D, P = 8, 4
+    q = torch.zeros(1, 1, D)
+    q[0, 0, :2] = 1.0
+    keys = torch.zeros(1, 1, 2, P, D)
+    keys[0, 0, 0, 0, :2] = 3.0  # page 0: one key along q (q . k = 6), the others orthogonal
+    keys[0, 0, 0, 1:, 2:] = torch.tensor([[1.0] * 6, [-1.0] * 6, [0.5] * 6])
+    keys[0, 0, 1, :, :] = torch.tensor([[3.5, -3.5] + [0.0] * 6, [-3.5, 3.5] + [0.0] * 6,
+                                        [3.5, -3.5] + [1.0] * 6, [-3.5, 3.5] + [-1.0] * 6])  # q . k = 0 each
+    lo, hi = keys.amin(3), keys.amax(3)
+    n = torch.tensor([2])
+    _, bound = page_scores(q, lo, hi, n, 1, 1.0, backend=backend)
+    _, coded = page_scores(q, lo, hi, n, 1, 1.0, codes=pack_codes(keys, lo, hi), backend=backend)
+    assert bound[0, 0, 0] == 1 and coded[0, 0, 0] == 0

@@ -30,10 +30,11 @@ def oracle_pages(q, keys, P, n_sink, n_window, K, group_reduce="softmax_mean", d
     if n_cand == 0:
         return torch.full((keys.shape[1], K), -1)
     pages = keys[0, :, n_sink * P:(n_sink + n_cand) * P].reshape(keys.shape[1], n_cand, P, -1)  # (Hkv, n, P, D)
-    lo, hi = page_digest(pages.transpose(0, 1), digest)  # (n, Hkv, D)
+    lo, hi = (t.transpose(0, 1)[None] for t in page_digest(pages.transpose(0, 1), digest))  # (1, Hkv, n, D)
+    codes = ps_reference.pack_codes(pages[None], lo, hi) if digest == "quant2" else None
     k = min(K, n_cand)
-    _, index = ps_reference.page_scores(q, lo.transpose(0, 1)[None], hi.transpose(0, 1)[None], torch.tensor([n_cand]),
-                                        k, 1 / math.sqrt(q.shape[-1]), group_reduce)
+    _, index = ps_reference.page_scores(q, lo, hi, torch.tensor([n_cand]), k, 1 / math.sqrt(q.shape[-1]), group_reduce,
+                                        codes)
     return torch.cat((index[0], torch.full((keys.shape[1], K - k), -1)), dim=1)
 
 
@@ -73,7 +74,7 @@ def freekv_cases(draw, modes=("quest", "speculate", "correct", "mixed")):
     return dict(P=P, sink=sink * P, window=window * P, budget=(sink + window + 1 + select) * P, cfg=cfg,
                 T=draw(st.integers(1, 30)), steps=draw(st.integers(1, 12)), mode=draw(st.sampled_from(modes)),
                 group_reduce=draw(st.sampled_from(["softmax_mean", "mean", "max"])),
-                digest=draw(st.sampled_from(["minmax", "arkvale"])), seed=draw(st.integers(0, 2**16)))
+                digest=draw(st.sampled_from(["minmax", "arkvale", "quant2"])), seed=draw(st.integers(0, 2**16)))
 
 
 def spec_of(case, backend="eager"):

@@ -5,20 +5,22 @@ import torch
 
 from .. import check_backend, load_fused
 from . import reference
-from .reference import GROUP_REDUCES
+from .reference import GROUP_REDUCES, pack_codes, unpack_codes
 
 
 def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, n_valid: torch.Tensor, k: int,
-                scale: float = 1.0, group_reduce: str = "softmax_mean", *, backend: str = "eager"):
-    """q (B, Hq, D), page boxes lo, hi (B, Hkv, N, D), n_valid (B,) int, k <= N ->
-    (scores (B, Hkv, N) float32, index (B, Hkv, k) int64 with -1 past the candidates)."""
+                scale: float = 1.0, group_reduce: str = "softmax_mean", codes: torch.Tensor | None = None, *,
+                backend: str = "eager"):
+    """q (B, Hq, D), page boxes lo, hi (B, Hkv, N, D), n_valid (B,) int, k <= N, optional 2-bit key
+    codes (B, Hkv, N, P, ceil(D / 4)) uint8 -> (scores (B, Hkv, N) float32, index (B, Hkv, k)
+    int64 with -1 past the candidates)."""
     if group_reduce not in GROUP_REDUCES:
         raise ValueError(f"group_reduce must be one of {GROUP_REDUCES}, got {group_reduce!r}")
     if not 1 <= k <= lo.shape[2]:
         raise ValueError(f"k must be in [1, N={lo.shape[2]}], got {k}")
     if check_backend(backend) == "eager":
-        return reference.page_scores(q, lo, hi, n_valid, k, scale, group_reduce)
-    return load_fused("page_scores").page_scores(q, lo, hi, n_valid, k, scale, group_reduce)
+        return reference.page_scores(q, lo, hi, n_valid, k, scale, group_reduce, codes)
+    return load_fused("page_scores").page_scores(q, lo, hi, n_valid, k, scale, group_reduce, codes)
 
 
-__all__ = ["page_scores", "GROUP_REDUCES"]
+__all__ = ["page_scores", "pack_codes", "unpack_codes", "GROUP_REDUCES"]

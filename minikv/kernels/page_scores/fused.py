@@ -6,7 +6,9 @@ the ~256 pages of an 8k context at page size 32), so the softmax over pages, the
 group and the top-k never leave registers:
 
   1. raw (BLOCK_G, BLOCK_N): sum over channels of max(q_d lo_d, q_d hi_d), one channel column at a
-     time (the digests are read once for the whole group, not once per query head);
+     time (the digests are read once for the whole group, not once per query head); with codes,
+     the approximate page mass instead: token t of every page at once, q . k^_t accumulated one
+     channel at a time, then folded into a running logsumexp over t (no (P, N) tile);
   2. the group reduction (softmax-mean, mean or max) to one score per page;
   3. k rounds of arg-max with ties to the lowest page index, each taking its page out of the tile.
 """
@@ -23,11 +25,12 @@ REDUCE_CODES = {"softmax_mean": 0, "mean": 1, "max": 2}
 
 @triton.jit
 def _page_scores_kernel(
-    q_ptr, lo_ptr, hi_ptr, n_valid_ptr, scores_ptr, index_ptr,
+    q_ptr, lo_ptr, hi_ptr, n_valid_ptr, scores_ptr, index_ptr, codes_ptr,
     scale, N, K,
     sqb, sqh, sqd, slb, slh, sln, shb, shh, shn,  # q, lo, hi strides (digest channel dim contiguous)
     ssb, ssh, sib, sih,  # scores (B, Hkv, N) and index (B, Hkv, K) strides
-    GROUP: tl.constexpr, D: tl.constexpr, REDUCE: tl.constexpr,
+    scb, sch, scn, sct,  # codes (B, Hkv, N, P, ceil(D / 4)) strides (byte dim contiguous)
+    GROUP: tl.constexpr, D: tl.constexpr, REDUCE: tl.constexpr, HAS_CODES: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -40,12 +43,30 @@ def _page_scores_kernel(
     heads = m * GROUP + g
 
     raw = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
-    for d in range(D):
-        qd = tl.load(q_ptr + b * sqb + heads * sqh + d * sqd, mask=g_ok, other=0.0).to(tl.float32)  # (BLOCK_G,)
-        # other=0: pages past n_valid hold garbage, maybe NaN
-        lo_d = tl.load(lo_ptr + b * slb + m * slh + n * sln + d, mask=n_ok, other=0.0).to(tl.float32)  # (BLOCK_N,)
-        hi_d = tl.load(hi_ptr + b * shb + m * shh + n * shn + d, mask=n_ok, other=0.0).to(tl.float32)
-        raw += tl.maximum(qd[:, None] * lo_d[None, :], qd[:, None] * hi_d[None, :])
+    if HAS_CODES:  # P_h[n] = log sum_t exp(scale q . k^_t) / scale, k^ = lo + c (hi - lo) / 3
+        top = tl.full([BLOCK_G, BLOCK_N], -3.0e38, tl.float32)  # running max of the scaled logits
+        acc = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)  # running sum of exp(logit - top)
+        for t in range(PAGE):
+            logit = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
+            for d in range(D):
+                qd = tl.load(q_ptr + b * sqb + heads * sqh + d * sqd, mask=g_ok, other=0.0).to(tl.float32)
+                lo_d = tl.load(lo_ptr + b * slb + m * slh + n * sln + d, mask=n_ok, other=0.0).to(tl.float32)
+                hi_d = tl.load(hi_ptr + b * shb + m * shh + n * shn + d, mask=n_ok, other=0.0).to(tl.float32)
+                byte = tl.load(codes_ptr + b * scb + m * sch + n * scn + t * sct + d // 4, mask=n_ok, other=0)
+                c = ((byte.to(tl.int32) >> (2 * (d % 4))) & 3).to(tl.float32)  # (BLOCK_N,)
+                logit += qd[:, None] * (lo_d + c * (hi_d - lo_d) / 3.0)[None, :]
+            logit = logit * scale
+            new_top = tl.maximum(top, logit)
+            acc = acc * tl.exp(top - new_top) + tl.exp(logit - new_top)
+            top = new_top
+        raw = (top + tl.log(acc)) / scale
+    else:
+        for d in range(D):
+            qd = tl.load(q_ptr + b * sqb + heads * sqh + d * sqd, mask=g_ok, other=0.0).to(tl.float32)  # (BLOCK_G,)
+            # other=0: pages past n_valid hold garbage, maybe NaN
+            lo_d = tl.load(lo_ptr + b * slb + m * slh + n * sln + d, mask=n_ok, other=0.0).to(tl.float32)  # (BLOCK_N,)
+            hi_d = tl.load(hi_ptr + b * shb + m * shh + n * shn + d, mask=n_ok, other=0.0).to(tl.float32)
+            raw += tl.maximum(qd[:, None] * lo_d[None, :], qd[:, None] * hi_d[None, :])
 
     valid = g_ok[:, None] & n_ok[None, :]
     if REDUCE == 0:  # softmax over pages per query head, then mean over the group
@@ -71,7 +92,7 @@ def _page_scores_kernel(
         work = tl.where(n == pick, float("-inf"), work)
 
 
-def page_scores(q, lo, hi, n_valid, k, scale=1.0, group_reduce="softmax_mean"):
+def page_scores(q, lo, hi, n_valid, k, scale=1.0, group_reduce="softmax_mean", codes=None):
     assert q.dim() == 3 and lo.dim() == 4, f"q (B, Hq, D) and lo (B, Hkv, N, D), got {tuple(q.shape)}, {tuple(lo.shape)}"
     B, Hq, D = q.shape
     _, Hkv, N, _ = lo.shape
@@ -82,6 +103,11 @@ def page_scores(q, lo, hi, n_valid, k, scale=1.0, group_reduce="softmax_mean"):
     assert q.device == lo.device == hi.device == n_valid.device, "all tensors on one device"
     assert 1 <= k <= N, f"k must be in [1, {N}], got {k}"
     assert N <= 16384, f"one register tile holds all pages of a head: N = {N} is too many"
+    if codes is not None:
+        assert codes.dtype == torch.uint8 and codes.shape[:3] == (B, Hkv, N) and codes.shape[4] == (D + 3) // 4, \
+            f"codes must be (B, Hkv, N, P, ceil(D / 4)) uint8, got {tuple(codes.shape)} {codes.dtype}"
+        assert codes.stride(-1) == 1 and codes.device == q.device, "codes: byte dim contiguous, on q's device"
+    cs = codes.stride()[:4] if codes is not None else (0, 0, 0, 0)
     fill = float("nan") if triton_interpreted() else None  # poisoned: an unwritten score fails loudly
     scores = torch.empty((B, Hkv, N), dtype=torch.float32, device=q.device)
     if fill is not None:
@@ -89,12 +115,13 @@ def page_scores(q, lo, hi, n_valid, k, scale=1.0, group_reduce="softmax_mean"):
     index = torch.full((B, Hkv, k), -7, dtype=torch.int64, device=q.device)
     G = Hq // Hkv
     _page_scores_kernel[(B, Hkv)](
-        q, lo, hi, n_valid, scores, index,
+        q, lo, hi, n_valid, scores, index, codes if codes is not None else lo,
         float(scale), N, k,
         q.stride(0), q.stride(1), q.stride(2), lo.stride(0), lo.stride(1), lo.stride(2),
         hi.stride(0), hi.stride(1), hi.stride(2),
-        scores.stride(0), scores.stride(1), index.stride(0), index.stride(1),
-        GROUP=G, D=D, REDUCE=REDUCE_CODES[group_reduce],
+        scores.stride(0), scores.stride(1), index.stride(0), index.stride(1), *cs,
+        GROUP=G, D=D, REDUCE=REDUCE_CODES[group_reduce], HAS_CODES=codes is not None,
+        PAGE=codes.shape[3] if codes is not None else 1,
         BLOCK_G=triton.next_power_of_2(G), BLOCK_N=max(16, triton.next_power_of_2(N)),
     )
     return scores, index

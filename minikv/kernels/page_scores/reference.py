@@ -14,6 +14,16 @@ per page so that the whole group reads the same pages (FreeKV: group-consistent 
     mean          S_m[n] = 1/G sum_{j<G} P_{mG+j}[n]
     max           S_m[n] = max_{j<G} P_{mG+j}[n]
 
+With `codes` (beyond the papers; freekv's digest=quant2), the box is Quest's min/max and each key
+also keeps a 2-bit code per channel, its place on a 4-level grid across the box:
+
+    k^_{n,t,d} = lo_{n,d} + c_{n,t,d} (hi_{n,d} - lo_{n,d}) / 3,  c in {0, 1, 2, 3}
+    P_h[n] = (1 / scale) log sum_{t<P} exp(scale q_h . k^_{n,t})         (approximate page mass)
+
+so that softmax_n(scale P_h)[n] is the share of head h's attention that page n would hold if its
+keys were k^. The upper bound ranks pages whose keys spread wide (a loose box) above pages with
+one key that matches q; the codes see the key. 2 bits per channel is 1/8 of a bf16 key.
+
 Then the k pages of highest S_m per KV head, ordered by score, ties to the lower page index (a
 stable sort): kernel and reference must select the same pages, ties included.
 
@@ -21,6 +31,8 @@ stable sort): kernel and reference must select the same pages, ties included.
     lo, hi   (B, Hkv, N, D)   page boxes, lo <= hi; pages n >= n_valid[b] hold garbage, never used
     n_valid  (B,) int         candidate pages per row
     k        int <= N         pages to select
+    codes    (B, Hkv, N, P, ceil(D / 4)) uint8 or None: 2-bit codes, four channels per byte
+             (channel d in bits 2 (d % 4) .. of byte d // 4; pack_codes), lo/hi the min/max box
     -> scores (B, Hkv, N) float32 (-inf at pages >= n_valid),
        index  (B, Hkv, k) int64, descending score; -1 where a row has fewer than k candidates
 
@@ -34,21 +46,47 @@ from __future__ import annotations
 import torch
 
 GROUP_REDUCES = ("softmax_mean", "mean", "max")
+LEVELS = 3  # the codes' largest value: 2 bits, 4 levels
 
 
-def page_scores(q, lo, hi, n_valid, k, scale=1.0, group_reduce="softmax_mean"):
+def pack_codes(k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Keys k (..., P, D) in their page's box lo, hi (..., D) -> 2-bit codes (..., P, ceil(D / 4))
+    uint8: the nearest of the 4 levels across the box, per channel."""
+    width = (hi - lo).float().unsqueeze(-2)
+    c = ((k.float() - lo.float().unsqueeze(-2)) / width.clamp_min(1e-30) * LEVELS).round().clamp_(0, LEVELS)
+    c = torch.where(width > 0, c, 0).to(torch.uint8)
+    D = k.shape[-1]
+    c = torch.nn.functional.pad(c, (0, -D % 4)).unflatten(-1, (-1, 4))  # (..., P, ceil(D / 4), 4)
+    return (c[..., 0] | c[..., 1] << 2 | c[..., 2] << 4 | c[..., 3] << 6).to(torch.uint8)
+
+
+def unpack_codes(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """The keys the codes stand for: codes (..., P, ceil(D / 4)), lo, hi (..., D) -> k^ (..., P, D) float32."""
+    D = lo.shape[-1]
+    d = torch.arange(D, device=codes.device)
+    c = (codes[..., d // 4] >> (2 * (d % 4)).to(torch.uint8)) & LEVELS  # (..., P, D)
+    lo, hi = lo.float().unsqueeze(-2), hi.float().unsqueeze(-2)
+    return lo + c.float() * (hi - lo) / LEVELS
+
+
+def page_scores(q, lo, hi, n_valid, k, scale=1.0, group_reduce="softmax_mean", codes=None):
     B, Hq, D = q.shape
     Hkv, N = lo.shape[1], lo.shape[2]
     G = Hq // Hkv
     qg = q.float().reshape(B * Hkv, G, D)  # the query heads sharing a KV head
     invalid = torch.arange(N, device=q.device) >= n_valid.to(q.device).unsqueeze(1)  # (B, N)
-    # A box has lo <= hi, so max(q_d lo_d, q_d hi_d) is q_d hi_d where q_d > 0 and q_d lo_d where
-    # q_d < 0: P_h = q+ . hi + q- . lo, two matmuls (q+ = max(q, 0), q- = min(q, 0)) rather than
-    # (B, Hkv, G, N, D) temporaries of q * lo and q * hi.
-    hi_t = hi.float().reshape(B * Hkv, N, D).transpose(1, 2)  # (B * Hkv, D, N)
-    lo_t = lo.float().reshape(B * Hkv, N, D).transpose(1, 2)
-    raw = torch.bmm(qg.clamp_min(0), hi_t).add_(torch.bmm(qg.clamp_max(0), lo_t))  # P_h per query head
-    raw = raw.view(B, Hkv, G, N)
+    if codes is not None:  # the approximate page mass, from the keys the codes stand for
+        keys = unpack_codes(codes, lo, hi).reshape(B * Hkv, -1, D)  # (B * Hkv, N P, D)
+        logits = torch.bmm(qg, keys.transpose(1, 2)).view(B, Hkv, G, N, -1) * scale  # (B, Hkv, G, N, P)
+        raw = logits.logsumexp(-1) / scale
+    else:
+        # A box has lo <= hi, so max(q_d lo_d, q_d hi_d) is q_d hi_d where q_d > 0 and q_d lo_d where
+        # q_d < 0: P_h = q+ . hi + q- . lo, two matmuls (q+ = max(q, 0), q- = min(q, 0)) rather than
+        # (B, Hkv, G, N, D) temporaries of q * lo and q * hi.
+        hi_t = hi.float().reshape(B * Hkv, N, D).transpose(1, 2)  # (B * Hkv, D, N)
+        lo_t = lo.float().reshape(B * Hkv, N, D).transpose(1, 2)
+        raw = torch.bmm(qg.clamp_min(0), hi_t).add_(torch.bmm(qg.clamp_max(0), lo_t))  # P_h per query head
+        raw = raw.view(B, Hkv, G, N)
     # pages past n_valid may hold garbage, even NaN: their P_h is never used, every path below
     # overwrites it through a masked_fill on `invalid` (a fill, not a product: NaN cannot leak)
     if group_reduce == "softmax_mean":
