@@ -222,6 +222,35 @@ def figures(result: dict, out: Path) -> list[Path]:
               f"Accuracy against budget, RULER-style suite at {s.get('length', '?')} tokens",
               error=lambda r: r.get("mean_ci"))
         written.append(_save(fig, out / "accuracy.png", plt))
+
+    def against_memory(ax, curves: dict, ylabel: str, title: str):
+        """One line per policy: (Mem%, value, 95% interval or None) points."""
+        for name, pts in curves.items():
+            style = "--" if by_policy[name][0].get("source", "minikv") != "minikv" else "-"
+            if all(p[2] is not None for p in pts):
+                ax.errorbar([p[0] for p in pts], [p[1] for p in pts], capsize=3, fmt=style, marker="o", label=name,
+                            yerr=[[p[1] - p[2][0] for p in pts], [p[2][1] - p[1] for p in pts]])
+            else:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=name)
+        ax.set_xscale("log")
+        ax.set_xlabel("Mem%: KV attention reads on the device, mean, % of full KV (log scale)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+
+    curves = memory_curves(rows)
+    if curves["accuracy"]:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        against_memory(ax, curves["accuracy"], "mean score (%), 95% interval",
+                       f"Accuracy against memory at {s.get('length', '?')} tokens")
+        written.append(_save(fig, out / "accuracy_mem.png", plt))
+    if len(curves["ppl"]) > 1:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        against_memory(ax, curves["ppl"], "perplexity / full KV's",
+                       f"Perplexity against memory, {s.get('long_prompt', '?')}-token prompt + "
+                       f"{s.get('long_steps', '?')} tokens")
+        written.append(_save(fig, out / "ppl_mem.png", plt))
     pts = [(r, r["long"]) for r in rows if r.get("long") and r.get("tpot_ratio")]
     if pts:
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -248,6 +277,20 @@ def figures(result: dict, out: Path) -> list[Path]:
             ax.legend(fontsize=8)
         written.append(_save(fig, out / "recall.png", plt))
     return written
+
+
+def memory_curves(rows: list[dict]) -> dict[str, dict[str, list[tuple]]]:
+    """Per policy (label), sorted by Mem%: "accuracy" points (Mem%, mean score, its 95% interval)
+    of the task suite, and "ppl" points (Mem% of the long pass, perplexity / full KV's, None)."""
+    full_ppl = next((r["long"]["ppl"] for r in rows if r["policy"] == "full" and (r.get("long") or {}).get("ppl")), None)
+    out: dict[str, dict[str, list[tuple]]] = {"accuracy": {}, "ppl": {}}
+    for r in rows:
+        if r.get("mean") is not None and r.get("kv_share_mean"):
+            out["accuracy"].setdefault(label(r), []).append((100 * r["kv_share_mean"], r["mean"], r.get("mean_ci")))
+        long = r.get("long") or {}
+        if full_ppl and long.get("ppl") and long.get("kv_share_mean"):
+            out["ppl"].setdefault(label(r), []).append((100 * long["kv_share_mean"], long["ppl"] / full_ppl, None))
+    return {kind: {name: sorted(pts) for name, pts in curves.items()} for kind, curves in out.items()}
 
 
 def _save(fig, path: Path, plt) -> Path:

@@ -63,6 +63,20 @@ def test_the_report_says_where_and_how_long_each_merged_run_ran():
            "wall time not recorded." in text
 
 
+def test_memory_curves_put_each_policy_at_the_memory_it_used():
+    from minikv.bench.compare_report import memory_curves
+
+    result = fake_result()
+    result["rows"][1]["kv_share_mean"] = 0.25
+    result["rows"][0]["long"]["kv_share_mean"] = 1.0
+    result["rows"][1]["long"].update(kv_share_mean=0.1, ppl=7.5)
+    annotate(result)
+    curves = memory_curves(result["rows"])
+    (mem, score, ci), = curves["accuracy"]["freekv"]
+    assert mem == 25.0 and score == pytest.approx(35.0) and ci == result["rows"][1]["mean_ci"]
+    assert curves["ppl"] == {"full": [(100.0, 1.0, None)], "freekv": [(10.0, 1.5, None)]}
+
+
 def test_include_merges_rows_into_tables_and_json(tmp_path):
     base, extra = tmp_path / "base.json", tmp_path / "kvpress.json"
     base.write_text(json.dumps(fake_result()))
@@ -80,6 +94,7 @@ def test_include_merges_rows_into_tables_and_json(tmp_path):
     md = (out / "compare.md").read_text()
     assert "| snapkv (kvpress) | 64 |" in md
     assert (out / "accuracy.png").stat().st_size > 1000 and (out / "recall.png").exists()
+    assert (out / "accuracy_mem.png").stat().st_size > 1000
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
