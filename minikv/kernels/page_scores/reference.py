@@ -69,6 +69,27 @@ def unpack_codes(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> tor
     return lo + c.float() * (hi - lo) / LEVELS
 
 
+def coded_logits(qg: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """q . k^ for every coded key: qg (B Hkv, G, D), lo, hi (B, Hkv, N, D), codes (B, Hkv, N, P,
+    ceil(D / 4)) -> (B Hkv, G, N, P). The sum unpack_codes + a product would give, regrouped by
+    bit plane so that k^ is never built: channel d = 4 i + j is plane j of byte i, and
+
+        q . k^_t = q . lo + sum_j sum_i w_{4i+j} c^(j)_{t,i},   w = q (hi - lo) / 3 per page,
+
+    four products with (P, D / 4) planes (the tests hold it to the unpacked form)."""
+    BH, G, D = qg.shape
+    N, P, nbytes = codes.shape[2:]
+    lo, hi = lo.float().reshape(BH, N, D), hi.float().reshape(BH, N, D)
+    w = qg[:, :, None] * ((hi - lo) / LEVELS)[:, None]  # (BH, G, N, D)
+    w = torch.nn.functional.pad(w, (0, 4 * nbytes - D)).unflatten(-1, (nbytes, 4))  # (BH, G, N, D / 4, 4)
+    out = torch.einsum("bgd,bnd->bgn", qg, lo)[..., None].repeat(1, 1, 1, P)  # q . lo, (BH, G, N, P)
+    c = codes.reshape(BH, N, P, nbytes)
+    for j in range(4):
+        plane = ((c >> 2 * j) & LEVELS).float()  # (BH, N, P, D / 4): channels 4 i + j
+        out += torch.einsum("bnpi,bgni->bgnp", plane, w[..., j])
+    return out
+
+
 def page_scores(q, lo, hi, n_valid, k, scale=1.0, group_reduce="softmax_mean", codes=None):
     B, Hq, D = q.shape
     Hkv, N = lo.shape[1], lo.shape[2]
@@ -76,8 +97,7 @@ def page_scores(q, lo, hi, n_valid, k, scale=1.0, group_reduce="softmax_mean", c
     qg = q.float().reshape(B * Hkv, G, D)  # the query heads sharing a KV head
     invalid = torch.arange(N, device=q.device) >= n_valid.to(q.device).unsqueeze(1)  # (B, N)
     if codes is not None:  # the approximate page mass, from the keys the codes stand for
-        keys = unpack_codes(codes, lo, hi).reshape(B * Hkv, -1, D)  # (B * Hkv, N P, D)
-        logits = torch.bmm(qg, keys.transpose(1, 2)).view(B, Hkv, G, N, -1) * scale  # (B, Hkv, G, N, P)
+        logits = coded_logits(qg, lo, hi, codes).view(B, Hkv, G, N, -1) * scale  # (B, Hkv, G, N, P)
         raw = logits.logsumexp(-1) / scale
     else:
         # A box has lo <= hi, so max(q_d lo_d, q_d hi_d) is q_d hi_d where q_d > 0 and q_d lo_d where
