@@ -67,7 +67,7 @@ def label(r: dict) -> str:
     if r.get("source", "minikv") != "minikv":
         return f"{r['policy']} ({r['source']})"
     _, _, params = (r.get("spec") or r["policy"]).partition(":")
-    in_column = r.get("budget") is not None  # a budget the spec sets itself is not in the column
+    in_column = row_budget(r) is not None  # the budget is in its own column
     extra = [p for p in params.split(",") if p.strip() and not (in_column and p.strip().startswith("budget="))]
     return r["policy"] + (f":{','.join(extra)}" if extra else "")
 
@@ -83,10 +83,19 @@ def _score(value, ci, spec: str = ".0f") -> str:
     return format(value, spec) + (f" ({ci[0]:.0f}-{ci[1]:.0f})" if ci else "")
 
 
+def row_budget(r: dict) -> int | None:
+    """The row's budget: the one compare swept, or the one its spec sets itself."""
+    if r.get("budget") is not None or r.get("source", "minikv") != "minikv":
+        return r.get("budget")
+    _, _, params = (r.get("spec") or r["policy"]).partition(":")
+    found = [p.split("=", 1)[1].strip() for p in params.split(",") if p.strip().startswith("budget=")]
+    return int(found[0]) if found and found[0].isdigit() else None
+
+
 def _budget(r: dict) -> str:
-    if r.get("budget") is None:
+    if row_budget(r) is None:
         return "all" if r["policy"] == "full" else "own"
-    return str(r["budget"])
+    return str(row_budget(r))
 
 
 def _table(header: list[str], lines: list[list[str]]) -> str:
@@ -192,8 +201,8 @@ def figures(result: dict, out: Path) -> list[Path]:
 
     def lines(ax, value, ylabel: str, title: str, error=lambda r: None):
         for name, rs in by_policy.items():
-            pts = sorted((r["budget"], value(r), error(r)) for r in rs
-                         if r.get("budget") is not None and value(r) is not None)
+            pts = sorted((row_budget(r), value(r), error(r)) for r in rs
+                         if row_budget(r) is not None and value(r) is not None)
             style = "--" if rs[0].get("source", "minikv") != "minikv" else "-"
             if pts and all(e is not None for _, _, e in pts):  # the 95% intervals as error bars
                 ax.errorbar([p[0] for p in pts], [p[1] for p in pts], capsize=3, fmt=style, marker="o", label=name,
@@ -205,7 +214,7 @@ def figures(result: dict, out: Path) -> list[Path]:
             elif value(rs[0]) is not None and rs[0].get("kv_mean_tokens"):  # no budget: where its memory went
                 ax.plot([rs[0]["kv_mean_tokens"]], [value(rs[0])], "*", ms=12, label=f"{name} (mean KV used)")
         ax.set_xscale("log", base=2)
-        budgets = sorted({r["budget"] for r in rows if r.get("budget") is not None})
+        budgets = sorted({row_budget(r) for r in rows if row_budget(r) is not None})
         if budgets:
             ax.set_xticks(budgets, [str(b) for b in budgets])
             ax.minorticks_off()

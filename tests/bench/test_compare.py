@@ -63,6 +63,13 @@ def test_the_report_says_where_and_how_long_each_merged_run_ran():
            "wall time not recorded." in text
 
 
+def test_a_budget_the_spec_sets_itself_goes_to_the_budget_column():
+    result = fake_result()
+    result["rows"][1].update(policy="synckv", spec="synckv:budget=512,wide_layers=4", budget=None)
+    annotate(result)
+    assert "| synckv:wide_layers=4 | 512 | 50 |" in markdown(result)
+
+
 def test_memory_curves_put_each_policy_at_the_memory_it_used():
     from minikv.bench.compare_report import memory_curves
 
@@ -224,7 +231,7 @@ def test_variants_of_one_policy_are_labelled_by_their_parameters():
 
     assert label({"policy": "freekv", "spec": "freekv:page_size=16,budget=256", "budget": 256}) == "freekv:page_size=16"
     assert label({"policy": "freekv", "spec": "freekv:budget=256", "budget": 256}) == "freekv"
-    assert label({"policy": "synckv", "spec": "synckv:budget=512", "budget": None}) == "synckv:budget=512"
+    assert label({"policy": "synckv", "spec": "synckv:budget=512", "budget": None}) == "synckv"  # 512: its column
     assert label({"policy": "snapkv", "source": "kvpress", "spec": "x"}) == "snapkv (kvpress)"
 
 
