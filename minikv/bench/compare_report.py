@@ -113,18 +113,29 @@ def _instances(rows: list[dict], settings: dict) -> str:
     return str(min(counts)) if len(counts) == 1 else f"{min(counts)}-{max(counts)}"
 
 
-def _run(m: dict | None, wall_s: float | None) -> str:
-    m = m or {}
-    wall = f"{wall_s / 60:.1f} min wall" if wall_s is not None else "wall time not recorded"
-    return f"{m.get('cpu', '?')}, {m.get('cpu_threads', '?')} thread(s), {m.get('gpu') or 'no GPU'}, {wall}"
-
-
 def _runs(result: dict) -> str:
-    """Where and how long each merged run ran."""
-    text = f"Run on {_run(result.get('machine'), result.get('wall_s'))}"
-    for inc in result.get("included", []):
-        text += f"; {Path(inc['file']).name}: {_run(inc.get('machine'), inc.get('wall_s'))}"
-    return text + "."
+    """Where and how long the run, and each run merged into it, ran: grouped by machine."""
+    runs = [(result.get("machine"), result.get("wall_s"))] + [(i.get("machine"), i.get("wall_s"))
+                                                            for i in result.get("included", [])]
+    groups: dict[str, list] = {}
+    for m, wall in runs:
+        m = m or {}
+        where = f"{m.get('cpu', '?')}, {m.get('cpu_threads', '?')} thread(s), {m.get('gpu') or 'no GPU'}"
+        groups.setdefault(where, []).append(wall)
+    parts = []
+    for where, walls in groups.items():
+        known = sorted(w / 60 for w in walls if w is not None)
+        if not known:
+            wall = "wall time not recorded"
+        elif len(known) == 1:
+            wall = f"{known[0]:.1f} min wall"
+        else:
+            wall = f"{known[0]:.1f}-{known[-1]:.1f} min wall each, {sum(known):.0f} in all"
+        unknown = len(walls) - len(known)
+        if known and unknown:
+            wall += f" ({unknown} not recorded)"
+        parts.append(f"{where}: {len(walls)} run(s), {wall}" if len(walls) > 1 else f"{where}, {wall}")
+    return "Run on " + "; ".join(parts) + "."
 
 
 def markdown(result: dict) -> str:

@@ -55,12 +55,15 @@ def test_weak_tasks_are_marked_and_left_out_of_the_mean():
 
 def test_the_report_says_where_and_how_long_each_merged_run_ran():
     result = fake_result()
-    result.update(machine={"cpu": "AMD EPYC", "cpu_threads": 1, "gpu": None}, wall_s=750.0,
-                  included=[{"file": "/runs/seed1/compare.json", "machine": {"cpu": "Xeon", "cpu_threads": 2}}])
+    epyc = {"cpu": "AMD EPYC", "cpu_threads": 1, "gpu": None}
+    result.update(machine=epyc, wall_s=750.0,
+                  included=[{"file": "a.json", "machine": {"cpu": "Xeon", "cpu_threads": 2}},
+                            {"file": "b.json", "machine": epyc, "wall_s": 450.0},
+                            {"file": "c.json", "machine": epyc}])
     annotate(result)
     text = markdown(result)
-    assert "Run on AMD EPYC, 1 thread(s), no GPU, 12.5 min wall; compare.json: Xeon, 2 thread(s), no GPU, " \
-           "wall time not recorded." in text
+    assert "Run on AMD EPYC, 1 thread(s), no GPU: 3 run(s), 7.5-12.5 min wall each, 20 in all (1 not recorded); " \
+           "Xeon, 2 thread(s), no GPU, wall time not recorded." in text
 
 
 def test_a_budget_the_spec_sets_itself_goes_to_the_budget_column():
