@@ -39,6 +39,7 @@ from ..policies import available, make
 from ..policies.base import _REGISTRY, parameters
 from . import compare_report as report
 from .common import add_common_arguments, environment, load_model, text_ids
+from .compare_figures import figures
 from .compare_merge import merge
 from .compare_run import run_rows
 from .passkey import with_budget
@@ -198,5 +199,5 @@ def run(args) -> int:
     if args.out:
         save(result, args)
         (Path(args.out) / "compare.md").write_text(text)
-        report.figures(result, Path(args.out))
+        figures(result, Path(args.out))
     return 0

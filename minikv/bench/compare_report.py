@@ -1,12 +1,10 @@
-"""The compare benchmark's output: derived numbers, Markdown tables, figures (no model runs here).
+"""The compare benchmark's output: derived numbers and Markdown tables (no model runs here; the
+figures are compare_figures.py's).
 
     annotate(result)          per row: mean scores over the tasks full KV can do, TPOT ratio to full
     markdown(result) -> str   one table per task group, plus the long-prompt table
-    figures(result, out_dir)  accuracy.png, tpot_memory.png, recall.png (matplotlib)
 """
 from __future__ import annotations
-
-from pathlib import Path
 
 from .intervals import mean_interval
 
@@ -194,127 +192,3 @@ def markdown(result: dict) -> str:
     if errors:
         parts.append("Rows that did not run:\n\n" + "\n".join(f"- `{r['spec']}`: {r['error']}" for r in errors))
     return "\n\n".join(parts) + "\n"
-
-
-def figures(result: dict, out: Path) -> list[Path]:
-    try:
-        import matplotlib
-    except ImportError as e:
-        raise ValueError("figures need matplotlib: pip install 'minikv[bench]'") from e
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in result["rows"] if not r.get("error")]
-    written = []
-    by_policy: dict[str, list[dict]] = {}
-    for r in rows:
-        by_policy.setdefault(label(r), []).append(r)
-
-    def lines(ax, value, ylabel: str, title: str, error=lambda r: None):
-        for name, rs in by_policy.items():
-            pts = sorted((row_budget(r), value(r), error(r)) for r in rs
-                         if row_budget(r) is not None and value(r) is not None)
-            style = "--" if rs[0].get("source", "minikv") != "minikv" else "-"
-            if pts and all(e is not None for _, _, e in pts):  # the 95% intervals as error bars
-                ax.errorbar([p[0] for p in pts], [p[1] for p in pts], capsize=3, fmt=style, marker="o", label=name,
-                            yerr=[[p[1] - p[2][0] for p in pts], [p[2][1] - p[1] for p in pts]])
-            elif pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=name)
-            elif rs[0]["policy"] == "full" and value(rs[0]) is not None:
-                ax.axhline(value(rs[0]), color="black", ls=":", label=f"{name} (all tokens)")
-            elif value(rs[0]) is not None and rs[0].get("kv_mean_tokens"):  # no budget: where its memory went
-                ax.plot([rs[0]["kv_mean_tokens"]], [value(rs[0])], "*", ms=12, label=f"{name} (mean KV used)")
-        ax.set_xscale("log", base=2)
-        budgets = sorted({row_budget(r) for r in rows if row_budget(r) is not None})
-        if budgets:
-            ax.set_xticks(budgets, [str(b) for b in budgets])
-            ax.minorticks_off()
-        ax.set_xlabel("budget: tokens per KV head on the device")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-
-    s = result.get("settings", {})
-    if any(r.get("mean") is not None for r in rows):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        lines(ax, lambda r: r.get("mean"), "mean score (string_match_all, %), 95% interval",
-              f"Accuracy against budget, RULER-style suite at {s.get('length', '?')} tokens",
-              error=lambda r: r.get("mean_ci"))
-        written.append(_save(fig, out / "accuracy.png", plt))
-
-    def against_memory(ax, curves: dict, ylabel: str, title: str):
-        """One line per policy: (Mem%, value, 95% interval or None) points."""
-        for name, pts in curves.items():
-            style = "--" if by_policy[name][0].get("source", "minikv") != "minikv" else "-"
-            if all(p[2] is not None for p in pts):
-                ax.errorbar([p[0] for p in pts], [p[1] for p in pts], capsize=3, fmt=style, marker="o", label=name,
-                            yerr=[[p[1] - p[2][0] for p in pts], [p[2][1] - p[1] for p in pts]])
-            else:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=name)
-        ax.set_xscale("log")
-        ax.set_xlabel("Mem%: KV attention reads on the device, mean, % of full KV (log scale)")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-
-    curves = memory_curves(rows)
-    if curves["accuracy"]:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        against_memory(ax, curves["accuracy"], "mean score (%), 95% interval",
-                       f"Accuracy against memory at {s.get('length', '?')} tokens")
-        written.append(_save(fig, out / "accuracy_mem.png", plt))
-    if len(curves["ppl"]) > 1:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        against_memory(ax, curves["ppl"], "perplexity / full KV's",
-                       f"Perplexity against memory, {s.get('long_prompt', '?')}-token prompt + "
-                       f"{s.get('long_steps', '?')} tokens")
-        written.append(_save(fig, out / "ppl_mem.png", plt))
-    pts = [(r, r["long"]) for r in rows if r.get("long") and r.get("tpot_ratio")]
-    if pts:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for name, rs in by_policy.items():
-            mine = [(100 * r["long"]["kv_share_peak"], r["tpot_ratio"], _budget(r)) for r in rs
-                    if r.get("long") and r.get("tpot_ratio") and r["long"].get("kv_share_peak") is not None]
-            if mine:
-                ax.scatter([m[0] for m in mine], [m[1] for m in mine], label=name)
-                for x, y, b in mine:
-                    ax.annotate(b, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        ax.set_xlabel(f"peak device KV, % of full KV ({s.get('long_prompt', '?')}-token prompt)")
-        ax.set_ylabel("time per output token / full KV's")
-        ax.set_title("Decode time against device memory at the long prompt")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        written.append(_save(fig, out / "tpot_memory.png", plt))
-    if any(r.get("recall") is not None for r in rows):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        lines(ax, lambda r: r.get("recall"), "attention recall (share of full attention's mass)",
-              "Attention recall against budget")
-        oracle = sorted((int(b), v) for b, v in result.get("oracle", {}).items())
-        if oracle:
-            ax.plot(*zip(*oracle), "k--", marker="x", label="oracle: best top-b tokens")
-            ax.legend(fontsize=8)
-        written.append(_save(fig, out / "recall.png", plt))
-    return written
-
-
-def memory_curves(rows: list[dict]) -> dict[str, dict[str, list[tuple]]]:
-    """Per policy (label), sorted by Mem%: "accuracy" points (Mem%, mean score, its 95% interval)
-    of the task suite, and "ppl" points (Mem% of the long pass, perplexity / full KV's, None)."""
-    full_ppl = next((r["long"]["ppl"] for r in rows if r["policy"] == "full" and (r.get("long") or {}).get("ppl")), None)
-    out: dict[str, dict[str, list[tuple]]] = {"accuracy": {}, "ppl": {}}
-    for r in rows:
-        if r.get("mean") is not None and r.get("kv_share_mean"):
-            out["accuracy"].setdefault(label(r), []).append((100 * r["kv_share_mean"], r["mean"], r.get("mean_ci")))
-        long = r.get("long") or {}
-        if full_ppl and long.get("ppl") and long.get("kv_share_mean"):
-            out["ppl"].setdefault(label(r), []).append((100 * long["kv_share_mean"], long["ppl"] / full_ppl, None))
-    return {kind: {name: sorted(pts) for name, pts in curves.items()} for kind, curves in out.items()}
-
-
-def _save(fig, path: Path, plt) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

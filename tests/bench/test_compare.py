@@ -74,7 +74,7 @@ def test_a_budget_the_spec_sets_itself_goes_to_the_budget_column():
 
 
 def test_memory_curves_put_each_policy_at_the_memory_it_used():
-    from minikv.bench.compare_report import memory_curves
+    from minikv.bench.compare_figures import memory_curves
 
     result = fake_result()
     result["rows"][1]["kv_share_mean"] = 0.25
