@@ -10,9 +10,10 @@ The KV cache goes to the host tier in pages of P = 32 tokens; the device keeps t
 recent window and, per KV head, the K pages selected for the query. Where to read what:
 
     FreeKVLayer.prefill   dense attention over the prompt, the prompt paged, the first selection
-    FreeKVLayer.select    page scores P_h[n] = sum_d max(q_d lo_{n,d}, q_d hi_{n,d}), then the
-                          group-consistent top-K per KV head, S_m = sum_j softmax(P_{(m-1)G+j}) / G
-                          (kernels/page_scores)
+    FreeKVLayer.select    page scores, then the group-consistent top-K per KV head,
+                          S_m = sum_j softmax(P_{(m-1)G+j}) / G (kernels/page_scores); the paper's
+                          bound P_h[n] = sum_d max(q_d lo_{n,d}, q_d hi_{n,d}) over a digest box,
+                          or by default the coded keys' mass P_h[n] = log sum_t exp(q . k^_t)
     FreeKVLayer.decode    speculative retrieval: step t attends with the pages selected with
                           q_{t-1}, and after attention recalls q_t's pages in the background for
                           step t + 1; correction: a KV head whose C_m = mean over the group of
@@ -20,8 +21,11 @@ recent window and, per KV head, the K pages selected for the query. Where to rea
     paged.HostPages       host pages and their digests lo, hi (paged.page_digest)
     paged.PagedKV         sink, window and selected slots; a recall copies only missing pages
 
-Decisions (docs/design.md, "freekv"): ArkVale's box is the default digest, Quest's min/max an
-option; the page softmax scales P_h by 1/sqrt(D); one selection serves every KV head of a step;
+Decisions (docs/design.md, "freekv"): the default digest, digest=quant2, is beyond the papers:
+Quest's min/max box plus a 2-bit code of every key in it, pages ranked by the attention their
+coded keys would take (the papers' bounds rank a natural-text needle's page low:
+docs/needle_mass.md); the papers' digests are digest=arkvale (ArkVale's box, the paper's system
+code) and digest=minmax (Quest). The page softmax scales P_h by 1/sqrt(D); one selection serves every KV head of a step;
 the last `window` tokens are always read, so budget = sink + window + P (the partly filled last
 page) + P K. speculative=False is plain Quest: select with q_t and recall before every attention.
 Layers below `skip_layers` keep full KV. rescore > 1 (not in the paper) lets the digests
@@ -182,9 +186,9 @@ class FreeKV(Policy):
     tau: float = param(0.9, "correction threshold on the cosine of consecutive queries", low=-1.0, high=1.0)
     speculative: bool = param(True, "select with the previous step's query (speculative retrieval)")
     group_reduce: str = param("softmax_mean", "how a GQA group's page scores become one", choices=GROUP_REDUCES)
-    digest: str = param("arkvale", "page summary: arkvale (ArkVale's box), minmax (Quest) or, beyond the papers, "
-                                   "quant2 (Quest's box and 2-bit codes of each key: pages scored by their "
-                                   "approximate attention mass)", choices=DIGESTS)
+    digest: str = param("quant2", "page summary: quant2 (beyond the papers: Quest's box and 2-bit codes of each key, "
+                                  "pages scored by their approximate attention mass), arkvale (ArkVale's box, "
+                                  "the paper's) or minmax (Quest's)", choices=DIGESTS)
     skip_layers: int = param(0, low=0)
     rescore: int = param(0, "beyond the paper: shortlist rescore x K pages by the digest, pick K by their keys' "
                             "exact attention (0: the paper's selection)", low=0)

@@ -72,7 +72,7 @@ class HostPages:
     """freekv's candidate store: consecutive pages on the host, HND, with a digest of each."""
 
     def __init__(self, *, n_kv: int, head_dim: int, page_size: int, max_len: int, dtype: torch.dtype, tiers,
-                 digest: str = "arkvale"):
+                 digest: str):
         if digest not in DIGESTS:
             raise ValueError(f"digest must be one of {DIGESTS}, got {digest!r}")
         H, P, D, dev = n_kv, page_size, head_dim, tiers.device

@@ -26,7 +26,7 @@ COVERING = {
     "softfreeze": "softfreeze:tau=0",  # nothing is below relevance 0: nothing freezes
     "freekv": "freekv:page_size=4,budget=160,sink=4,window=8",
     "icecache": "icecache:page_size=2,budget=160,sink=2,window=4,skip_layers=0",
-    "synckv": "synckv:budget=160,window=32,m=3",
+    "synckv": "synckv:budget=160,window=32,m=3,wide_layers=0",
 }
 # a budget well below the context: (spec, the budget attention may read per layer and KV head)
 SMALL = {
@@ -35,7 +35,7 @@ SMALL = {
     "softfreeze": None,  # no budget: it freezes by relevance
     "freekv": ("freekv:page_size=4,budget=24,sink=4,window=8", 24),
     "icecache": ("icecache:page_size=2,budget=16,sink=2,window=4,skip_layers=0", 16),
-    "synckv": ("synckv:budget=48,window=8,m=3", 48),
+    "synckv": ("synckv:budget=48,window=8,m=3,wide_layers=0", 48),
 }
 OFFLOADS = {"softfreeze", "freekv", "icecache", "synckv"}  # KV crosses to the host tier
 BASE_STATS = {"policy", "device_tokens", "host_tokens", "device_tokens_peak", "kv_bytes_read_per_step",
@@ -160,7 +160,7 @@ def test_refusals_are_clean_and_name_the_parameter(name, key, value):
 
 
 @pytest.mark.parametrize("spec, default", [
-    ("freekv:budget=1048576", "freekv"), ("icecache:budget=1048576", "icecache"), ("synckv:budget=1048576", "synckv"),
+    ("freekv:budget=1048576", "freekv"), ("icecache:budget=1048576", "icecache"), ("synckv:budget=1048576,wide_layers=0", "synckv:wide_layers=0"),
     ("softfreeze:history=100000", "softfreeze"), ("softfreeze:rewalk_tokens=1000,max_rewalks=10000", "softfreeze"),
 ])
 def test_a_size_past_the_context_costs_what_the_default_costs(gqa3, spec, default):
@@ -201,7 +201,7 @@ REFERENCE_SPECS = {  # budgets below the ~60-token context, so that every policy
     "softfreeze": "softfreeze",
     "freekv": "freekv:page_size=4,budget=32,sink=4,window=8",
     "icecache": "icecache:page_size=4,budget=32,sink=4,window=8",
-    "synckv": "synckv:budget=48,window=8",
+    "synckv": "synckv:budget=48,window=8,wide_layers=0",
 }
 
 

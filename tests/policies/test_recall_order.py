@@ -177,7 +177,7 @@ def run_freekv(monkeypatch):
 def run_synckv(monkeypatch, tmp_path):
     rec = Recorder()
     clusters = write_clusters(tmp_path / "tiny.json", SYNCKV_TINY, TINY_CLUSTERS)
-    policy = make(f"synckv:budget=12,window=2,m=2,rho=0.3,clusters={clusters}").bind(
+    policy = make(f"synckv:budget=12,window=2,m=2,rho=0.3,wide_layers=0,clusters={clusters}").bind(
         SYNCKV_TINY, device="cpu", dtype=torch.float32, max_len=80)
     install(policy, rec, monkeypatch)
     gathered = synckv_layer.gathered_attention

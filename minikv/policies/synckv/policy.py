@@ -27,7 +27,10 @@ between anticipations the window grows to window + m - 1 tokens and budget = k +
 NR-heads read their own cluster's sets; the dynamic set is chosen among tokens not on the device
 already. Table 3's ablations: offload=False is "w/o initialization", anticipation=False "w/o
 anticipation", m=1 "w/o suspension". Beyond the paper, wide_layers gives the layers whose heads
-agree least (by S, Eq. 2) more clusters than n_r (SyncKV.widen; docs/synckv.md measures why).
+agree least (by S, Eq. 2) more clusters than n_r (SyncKV.widen; docs/synckv.md measures why). The
+defaults, budget=512 and wide_layers=4 (full KV in the 4 layers whose heads agree least), are
+that variant: on SmolLM2 it keeps natural-text needles and perplexity that the paper's rule loses,
+and on Qwen2.5-Coder it ties the rule (docs/synckv.md). The paper's rule: wide_layers=0.
 """
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ class SyncKV(Policy):
     name = "synckv"
     max_batch = 1
 
-    budget: int = param(256, "most tokens a non-representative KV head reads on the device: static + dynamic "
+    budget: int = param(512, "most tokens a non-representative KV head reads on the device: static + dynamic "
                              "+ window; capped by the context", low=1)
     window: int = param(32, "most recent tokens, read by every head at every step (the new token included)", low=1)
     rho: float = param(0.5, "static ratio: the share of k = budget - window slots chosen once (Eq. 4)",
@@ -58,8 +61,9 @@ class SyncKV(Policy):
     clusters: str | None = param(None, "clustering file (none: the one shipped for this model)")
     offload: bool = param(True, "offload the other heads' KV to the host (false: w/o initialization)")
     anticipation: bool = param(True, "anticipation steps (false: the initial selection only)")
-    wide_layers: int = param(0, "layers that take wide_n_r clusters instead of n_r (beyond the paper): the ones "
-                                "whose heads agree least (lowest mean similarity S between heads, Eq. 2)", low=0)
+    wide_layers: int = param(4, "layers that take wide_n_r clusters instead of n_r (beyond the paper): the ones "
+                                "whose heads agree least (lowest mean similarity S between heads, Eq. 2); capped "
+                                "by the model's layers; 0: the paper's rule", low=0)
     wide_n_r: int = param(0, "clusters per layer in the wide layers (0: one per KV head, full KV there)", low=0)
 
     def __post_init__(self):
@@ -87,7 +91,7 @@ class SyncKV(Policy):
         if self.n_r > cfg.n_kv_heads:
             raise ValueError(f"n_r must be <= the model's {cfg.n_kv_heads} KV heads, got {self.n_r}")
         self.clustering, self.clustering_file = find_clustering(cfg, self.n_r, self.clusters)
-        if self.wide_layers:
+        if self.wide_layers and not (self.wide_n_r == 0 and self.n_r == cfg.n_kv_heads):  # else all heads are R-heads
             self.clustering = self.widen(cfg)
         for i, layer in enumerate(self.clustering):
             heads = sorted(h for c in layer["clusters"] for h in c)
@@ -97,15 +101,17 @@ class SyncKV(Policy):
 
     def widen(self, cfg) -> list[dict]:
         """Uneven N_r over layers: the wide_layers layers whose heads agree least take the file's
-        clustering for wide_n_r clusters (their R-heads stay whole: Mem% rises by their share)."""
-        wide_n_r = self.wide_n_r or cfg.n_kv_heads
-        if self.wide_layers > cfg.n_layers:
-            raise ValueError(f"wide_layers must be <= the model's {cfg.n_layers} layers, got {self.wide_layers}")
-        if not self.n_r < wide_n_r <= cfg.n_kv_heads:
-            raise ValueError(f"wide_n_r must be > n_r ({self.n_r}) and <= the model's {cfg.n_kv_heads} KV heads, "
-                             f"got {wide_n_r}")
-        wide = least_agreeing_layers(read_similarity(self.clustering_file), self.wide_layers)
-        more, _ = find_clustering(cfg, wide_n_r, str(self.clustering_file))
+        clustering for wide_n_r clusters (their R-heads stay whole: Mem% rises by their share).
+        wide_n_r = 0: a cluster per KV head, every head of those layers whole (full KV there)."""
+        H = cfg.n_kv_heads
+        wide_n_r = self.wide_n_r or H
+        if not self.n_r < wide_n_r <= H:
+            raise ValueError(f"wide_n_r must be > n_r ({self.n_r}) and <= the model's {H} KV heads, got {wide_n_r}")
+        wide = least_agreeing_layers(read_similarity(self.clustering_file), min(self.wide_layers, cfg.n_layers))
+        if wide_n_r == H:
+            more = [{"clusters": [[h] for h in range(H)], "r_heads": list(range(H))}] * cfg.n_layers
+        else:
+            more, _ = find_clustering(cfg, wide_n_r, str(self.clustering_file))
         return [more[i] if i in wide else layer for i, layer in enumerate(self.clustering)]
 
     def make_layer(self, index: int) -> SyncKVLayer:
