@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .compare_report import _budget, label, row_budget
+from .compare_report import budget_cell, label, row_budget
 
 
 def figures(result: dict, out: Path) -> list[Path]:
@@ -44,11 +44,11 @@ def figures(result: dict, out: Path) -> list[Path]:
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _legend(ax)
 
     s = result.get("settings", {})
     if any(r.get("mean") is not None for r in rows):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = plt.subplots(figsize=(9.5, 4.5))
         lines(ax, lambda r: r.get("mean"), "mean score (string_match_all, %), 95% interval",
               f"Accuracy against budget, RULER-style suite at {s.get('length', '?')} tokens",
               error=lambda r: r.get("mean_ci"))
@@ -68,25 +68,25 @@ def figures(result: dict, out: Path) -> list[Path]:
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _legend(ax)
 
     curves = memory_curves(rows)
     if curves["accuracy"]:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = plt.subplots(figsize=(9.5, 4.5))
         against_memory(ax, curves["accuracy"], "mean score (%), 95% interval",
                        f"Accuracy against memory at {s.get('length', '?')} tokens")
         written.append(_save(fig, out / "accuracy_mem.png", plt))
     if len(curves["ppl"]) > 1:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = plt.subplots(figsize=(9.5, 4.5))
         against_memory(ax, curves["ppl"], "perplexity / full KV's",
                        f"Perplexity against memory, {s.get('long_prompt', '?')}-token prompt + "
                        f"{s.get('long_steps', '?')} tokens")
         written.append(_save(fig, out / "ppl_mem.png", plt))
     pts = [(r, r["long"]) for r in rows if r.get("long") and r.get("tpot_ratio")]
     if pts:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = plt.subplots(figsize=(9.5, 4.5))
         for name, rs in by_policy.items():
-            mine = [(100 * r["long"]["kv_share_peak"], r["tpot_ratio"], _budget(r)) for r in rs
+            mine = [(100 * r["long"]["kv_share_peak"], r["tpot_ratio"], budget_cell(r)) for r in rs
                     if r.get("long") and r.get("tpot_ratio") and r["long"].get("kv_share_peak") is not None]
             if mine:
                 ax.scatter([m[0] for m in mine], [m[1] for m in mine], label=name)
@@ -96,16 +96,16 @@ def figures(result: dict, out: Path) -> list[Path]:
         ax.set_ylabel("time per output token / full KV's")
         ax.set_title("Decode time against device memory at the long prompt")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _legend(ax)
         written.append(_save(fig, out / "tpot_memory.png", plt))
     if any(r.get("recall") is not None for r in rows):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = plt.subplots(figsize=(9.5, 4.5))
         lines(ax, lambda r: r.get("recall"), "attention recall (share of full attention's mass)",
               "Attention recall against budget")
         oracle = sorted((int(b), v) for b, v in result.get("oracle", {}).items())
         if oracle:
             ax.plot(*zip(*oracle), "k--", marker="x", label="oracle: best top-b tokens")
-            ax.legend(fontsize=8)
+            _legend(ax)
         written.append(_save(fig, out / "recall.png", plt))
     return written
 
@@ -124,8 +124,13 @@ def memory_curves(rows: list[dict]) -> dict[str, dict[str, list[tuple]]]:
     return {kind: {name: sorted(pts) for name, pts in curves.items()} for kind, curves in out.items()}
 
 
+def _legend(ax) -> None:
+    # beside the axes, not over them: with a dozen rows a legend inside hides points
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+
+
 def _save(fig, path: Path, plt) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path

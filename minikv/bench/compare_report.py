@@ -90,7 +90,8 @@ def row_budget(r: dict) -> int | None:
     return int(found[0]) if found and found[0].isdigit() else None
 
 
-def _budget(r: dict) -> str:
+def budget_cell(r: dict) -> str:
+    """The budget column: the row's budget, "all" for full KV, "own" for a policy's own sizes."""
     if row_budget(r) is None:
         return "all" if r["policy"] == "full" else "own"
     return str(row_budget(r))
@@ -153,7 +154,7 @@ def markdown(result: dict) -> str:
             continue
         header = ["policy", "budget"] + [t + (" †" if t in weak else "") for t in present] + \
                  ["mean", "KV mean", "KV peak", "Mem%", "TPOT x full"]
-        lines = [[label(r), _budget(r)] + [_score((r.get("scores") or {}).get(t), (r.get("intervals") or {}).get(t))
+        lines = [[label(r), budget_cell(r)] + [_score((r.get("scores") or {}).get(t), (r.get("intervals") or {}).get(t))
                                           for t in present] +
                  [_score(r.get(f"mean_{key}"), r.get(f"mean_{key}_ci"), ".1f"), _cell(r.get("kv_mean_tokens"), ".0f"),
                   _cell(r.get("kv_peak_tokens"), ".0f"),
@@ -170,7 +171,7 @@ def markdown(result: dict) -> str:
         lines = []
         for r in long_rows:
             lg = r.get("long") or {}
-            lines.append([label(r), _budget(r), _cell(lg.get("ppl"), ".2f"),
+            lines.append([label(r), budget_cell(r), _cell(lg.get("ppl"), ".2f"),
                           _cell(1000 * lg["tpot_s"] if lg.get("tpot_s") else None), _cell(r.get("tpot_ratio"), ".2f"),
                           _cell(lg.get("device_tokens_peak"), ".0f"),
                           _cell(100 * lg["kv_share_mean"] if lg.get("kv_share_mean") is not None else None, ".0f"),

@@ -18,19 +18,21 @@ recent window and, per KV head, the K pages selected for the query. Where to rea
                           q_{t-1}, and after attention recalls q_t's pages in the background for
                           step t + 1; correction: a KV head whose C_m = mean over the group of
                           cos(q_t, q_{t-1}) is below tau is reselected with q_t and recalled first
-    paged.HostPages       host pages and their digests lo, hi (paged.page_digest)
+    paged.HostPages       host pages and their digests lo, hi (paged.page_digest), and
+                          quant2's 2-bit key codes (page_scores.pack_codes)
     paged.PagedKV         sink, window and selected slots; a recall copies only missing pages
 
 Decisions (docs/design.md, "freekv"): the default digest, digest=quant2, is beyond the papers:
-Quest's min/max box plus a 2-bit code of every key in it, pages ranked by the attention their
-coded keys would take (the papers' bounds rank a natural-text needle's page low:
-docs/needle_mass.md); the papers' digests are digest=arkvale (ArkVale's box, the paper's system
-code) and digest=minmax (Quest). The page softmax scales P_h by 1/sqrt(D); one selection serves every KV head of a step;
-the last `window` tokens are always read, so budget = sink + window + P (the partly filled last
-page) + P K. speculative=False is plain Quest: select with q_t and recall before every attention.
-Layers below `skip_layers` keep full KV. rescore > 1 (not in the paper) lets the digests
-shortlist rescore x K pages and keeps the K whose keys hold the most exact attention. Backends: `reference` gathers the device pages and
-attends densely, `eager` reads the pool in place (pool.pool_attention), `triton` runs the kernels.
+Quest's min/max box plus a 2-bit code of every key in it, pages ranked by the attention their coded
+keys would take (the papers' bounds rank a natural-text needle's page low: docs/needle_mass.md); the
+papers' digests are digest=arkvale (ArkVale's box, the paper's system code) and digest=minmax
+(Quest). The page softmax scales P_h by 1/sqrt(D); one selection serves every KV head of a step; the
+last `window` tokens are always read, so budget = sink + window + P (the partly filled last page) +
+P K. speculative=False is plain Quest: select with q_t and recall before every attention. Layers
+below `skip_layers` keep full KV. rescore > 1 (not in the paper) lets the digests shortlist rescore
+x K pages and keeps the K whose keys hold the most exact attention. Backends: `reference` gathers
+the device pages and attends densely, `eager` reads the pool in place (pool.pool_attention),
+`triton` runs the kernels.
 """
 from __future__ import annotations
 

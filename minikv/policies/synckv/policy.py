@@ -109,7 +109,7 @@ class SyncKV(Policy):
             raise ValueError(f"wide_n_r must be > n_r ({self.n_r}) and <= the model's {H} KV heads, got {wide_n_r}")
         wide = least_agreeing_layers(read_similarity(self.clustering_file), min(self.wide_layers, cfg.n_layers))
         if wide_n_r == H:
-            more = [{"clusters": [[h] for h in range(H)], "r_heads": list(range(H))}] * cfg.n_layers
+            more = [{"clusters": [[h] for h in range(H)], "r_heads": list(range(H))} for _ in range(cfg.n_layers)]
         else:
             more, _ = find_clustering(cfg, wide_n_r, str(self.clustering_file))
         return [more[i] if i in wide else layer for i, layer in enumerate(self.clustering)]
