@@ -78,9 +78,10 @@ def figures(result: dict, out: Path) -> list[Path]:
         written.append(_save(fig, out / "accuracy_mem.png", plt))
     if len(curves["ppl"]) > 1:
         fig, ax = plt.subplots(figsize=(9.5, 4.5))
-        against_memory(ax, curves["ppl"], "perplexity / full KV's",
+        against_memory(ax, curves["ppl"], "perplexity / full KV's (log scale)",
                        f"Perplexity against memory, {s.get('long_prompt', '?')}-token prompt + "
                        f"{s.get('long_steps', '?')} tokens")
+        ax.set_yscale("log")  # 0.9x and 1.2x stay apart beside a policy at 15x
         written.append(_save(fig, out / "ppl_mem.png", plt))
     pts = [(r, r["long"]) for r in rows if r.get("long") and r.get("tpot_ratio")]
     if pts:
