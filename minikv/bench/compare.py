@@ -49,7 +49,7 @@ COMMAND = "compare"
 PRESETS = {
     # quick: about 2 CPU-minutes per row on one thread (README: measured time)
     "quick": {"length": 1024, "seeds": [0, 1, 2], "haystacks": ["noise"], "long_prompt": 2048, "long_steps": 32},
-    # full: what the README's table shows; four times the quick preset's prompt length, 20 instances
+    # full: what docs/compare.md's tables show; four times the quick preset's prompt length, 20 instances
     # per task and haystack, so that a 95% interval is about +-20 points at worst, not +-50
     "full": {"length": 4096, "seeds": list(range(20)), "haystacks": ["noise", "pydoc"], "long_prompt": 8000,
              "long_steps": 64},

@@ -281,8 +281,8 @@ def test_smollm2_default_digest_finds_a_natural_text_needle_the_papers_box_loses
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("depth", [0.1, 0.3, 0.5, 0.7, 0.9])
 def test_smollm2_passkey_4k_budget_256(smollm2, depth, seed):
-    """The README's table: at 4,000 tokens with a 256-token budget, freekv with ArkVale digests
-    finds the key in all 15 trials, as full KV does (the min/max default misses depth 0.7, seed 0,
+    """docs/freekv.md's table: at 4,000 tokens with a 256-token budget, freekv with ArkVale digests
+    finds the key in all 15 trials, as full KV does (Quest's min/max misses depth 0.7, seed 0,
     at budgets 256 and 512: its page bound hides the key's page)."""
     from minikv.bench.passkey import build_prompt, draw_key, score
     from minikv.generate import generate
