@@ -168,8 +168,8 @@ def test_shared_prefill_rows_answer_as_separate_runs_do(smollm2):
     from minikv.bench.tasks import make_instance
 
     model, tok = smollm2
-    specs = ["full", "streaming:budget=64", "freekv:budget=96,page_size=8,sink=8,window=16", "synckv:budget=64,wide_layers=0",
-             "icecache:budget=96,page_size=8,skip_layers=28"]
+    specs = ["full", "streaming:budget=64", "freekv:budget=96,page_size=8,sink=8,window=16",
+             "synckv:budget=64,wide_layers=0", "icecache:budget=96,page_size=8,skip_layers=28"]
     inst = make_instance("niah_single_1", tok, 300, 0)
     n = len(inst.ids) + inst.max_new_tokens
     rows = [bind(model, s, n, [32] if s == "full" else ()) for s in specs]

@@ -160,7 +160,8 @@ def test_refusals_are_clean_and_name_the_parameter(name, key, value):
 
 
 @pytest.mark.parametrize("spec, default", [
-    ("freekv:budget=1048576", "freekv"), ("icecache:budget=1048576", "icecache"), ("synckv:budget=1048576,wide_layers=0", "synckv:wide_layers=0"),
+    ("freekv:budget=1048576", "freekv"), ("icecache:budget=1048576", "icecache"),
+    ("synckv:budget=1048576,wide_layers=0", "synckv:wide_layers=0"),
     ("softfreeze:history=100000", "softfreeze"), ("softfreeze:rewalk_tokens=1000,max_rewalks=10000", "softfreeze"),
 ])
 def test_a_size_past_the_context_costs_what_the_default_costs(gqa3, spec, default):

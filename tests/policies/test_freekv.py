@@ -312,7 +312,7 @@ def exact_top_pages(q, host, n, G, K, among=None):
 @pytest.mark.parametrize("rescore", [2, 100])
 def test_rescore_keeps_the_shortlisted_pages_with_the_most_exact_attention(rescore):
     # beyond the paper: the box bound shortlists rescore x K pages, the keys' exact attention picks K
-    spec = f"freekv:page_size=4,sink=4,window=4,budget=20,digest=arkvale,rescore={rescore}"  # K = 2 selected pages
+    spec = f"freekv:page_size=4,sink=4,window=4,budget=20,digest=arkvale,rescore={rescore}"  # K = 2 pages
     policy = make(spec).bind(TINY, device="cpu", dtype=torch.float32, max_len=80)
     plain = make("freekv:page_size=4,sink=4,window=4,budget=20,digest=arkvale").bind(
         TINY, device="cpu", dtype=torch.float32, max_len=80)
