@@ -40,8 +40,11 @@ METADATA = {  # key -> (writer method, value); a test drops or replaces entries
 }
 
 
-def tiny_gguf(path: Path, seed: int = 0, hidden_layers: int = LAYERS, ffn: int = FFN, **changes) -> Path:
-    """A llama GGUF of float32 tensors; changes: {key with '.' as '__': value, or None to drop}."""
+def tiny_gguf(path: Path, seed: int = 0, hidden_layers: int = LAYERS, ffn: int = FFN, q8k: tuple = (),
+              **changes) -> Path:
+    """A llama GGUF of float32 tensors; changes: {key with '.' as '__': value, or None to drop};
+    the tensors named in q8k are Q8_K blocks instead (zeros), a type gguf's Python package cannot
+    dequantize."""
     import gguf
 
     meta = {**METADATA, "llama.block_count": ("add_uint32", hidden_layers), "llama.feed_forward_length": ("add_uint32", ffn)}
@@ -66,7 +69,11 @@ def tiny_gguf(path: Path, seed: int = 0, hidden_layers: int = LAYERS, ffn: int =
                        f"blk.{i}.ffn_gate.weight": (ffn, HIDDEN), f"blk.{i}.ffn_up.weight": (ffn, HIDDEN),
                        f"blk.{i}.ffn_down.weight": (HIDDEN, ffn)})
     for name, shape in shapes.items():
-        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+        if name in q8k:  # 256 values per 292-byte block along the fastest dimension
+            blocks = np.zeros((shape[0], shape[1] // 256 * 292), dtype=np.uint8)
+            writer.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_K)
+        else:
+            writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -173,6 +180,13 @@ def test_truncated_tensor_data_is_refused_before_reading(tmp_path, cache):
 def test_bad_gguf_metadata_names_the_field(tmp_path, cache, changes, message):
     bad = tiny_gguf(tmp_path / "m.gguf", **changes)
     with pytest.raises(ValueError, match="m.gguf: .*" + message):
+        loading.import_gguf(bad, progress=False)
+    assert not list(cache.glob("m-*")) and not list(cache.glob(".*"))
+
+
+def test_a_block_type_gguf_cannot_dequantize_is_refused_by_name(tmp_path, cache):
+    bad = tiny_gguf(tmp_path / "m.gguf", ffn=256, q8k=("blk.1.ffn_down.weight",))
+    with pytest.raises(ValueError, match=r"m.gguf: GGUF tensor 'blk.1.ffn_down.weight': Dequantization for Q8_K"):
         loading.import_gguf(bad, progress=False)
     assert not list(cache.glob("m-*")) and not list(cache.glob(".*"))
 
