@@ -64,10 +64,15 @@ def label(r: dict) -> str:
     two variants of one policy at one budget must not read alike."""
     if r.get("source", "minikv") != "minikv":
         return f"{r['policy']} ({r['source']})"
-    _, _, params = (r.get("spec") or r["policy"]).partition(":")
     in_column = row_budget(r) is not None  # the budget is in its own column
-    extra = [p for p in params.split(",") if p.strip() and not (in_column and p.strip().startswith("budget="))]
+    extra = [p for p in _spec_params(r) if not (in_column and p.startswith("budget="))]
     return r["policy"] + (f":{','.join(extra)}" if extra else "")
+
+
+def _spec_params(r: dict) -> list[str]:
+    """The "key=value" items of the row's spec."""
+    _, _, params = (r.get("spec") or r["policy"]).partition(":")
+    return [p.strip() for p in params.split(",") if p.strip()]
 
 
 def _cell(value, spec: str = ".1f") -> str:
@@ -85,8 +90,7 @@ def row_budget(r: dict) -> int | None:
     """The row's budget: the one compare swept, or the one its spec sets itself."""
     if r.get("budget") is not None or r.get("source", "minikv") != "minikv":
         return r.get("budget")
-    _, _, params = (r.get("spec") or r["policy"]).partition(":")
-    found = [p.split("=", 1)[1].strip() for p in params.split(",") if p.strip().startswith("budget=")]
+    found = [p.split("=", 1)[1].strip() for p in _spec_params(r) if p.startswith("budget=")]
     return int(found[0]) if found and found[0].isdigit() else None
 
 
