@@ -19,6 +19,13 @@ CPU path for real work is "eager".
 Why fused modules are imported lazily: `triton.jit` picks the interpreter or the compiler when it
 *decorates* a kernel, by reading TRITON_INTERPRET at that moment. So the variable has to be in
 os.environ before any fused.py is imported; `load_fused` sets it and only then imports.
+
+Backends by name: each operation's dispatch looks its backend up at call time in one registry,
+in which reference, eager and triton are the built-in entries. `register_backend(op, name, fn)`
+adds another, `fn` taking the reference's arguments, so that a policy spec `streaming:backend=NAME`
+runs the whole policy on a user's kernel without editing minikv. A registered backend need not
+cover every operation: the operations it leaves out run eager (register the triton launcher under
+its name, `lookup(op, "triton")`, to keep it there). minikv.testing.check_kernel checks one.
 """
 from __future__ import annotations
 
@@ -27,21 +34,88 @@ import os
 import sys
 import warnings
 from types import ModuleType
+from typing import Callable
 
 import torch
 
-BACKENDS = ("reference", "eager", "triton")
+BACKENDS = ("reference", "eager", "triton")  # the built-in ones
+OPS = ("attention_relevance", "attention_topk", "dci_scores", "decode_attention", "gathered_attention",
+       "page_gather", "page_layout", "page_scores", "paged_attention", "rope_delta")
+
+# op -> backend name -> function with the reference's signature. Each op's __init__ enters its
+# built-in three (`builtin`); register_backend adds the others.
+_REGISTRY: dict[str, dict[str, Callable]] = {op: {} for op in OPS}
 
 
-def check_backend(backend: str) -> str:
+def register_backend(op: str, name: str, fn: Callable) -> None:
+    """Run operation `op` with `fn` wherever backend=`name` is asked for: `fn` takes the
+    arguments of minikv/kernels/<op>/reference.py's function, in its order, and returns what it
+    returns. Registering a name again replaces its function; the built-in names are refused."""
+    if op not in OPS:
+        raise ValueError(f"unknown kernel operation {op!r}; expected one of: " + ", ".join(OPS))
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"a backend name must be an identifier (it goes into policy specs), got {name!r}")
+    if name in BACKENDS:
+        raise ValueError(f"backend {name!r} is built in; register yours under another name")
+    if not callable(fn):
+        raise TypeError(f"register_backend({op!r}, {name!r}, fn): fn must be callable, got {type(fn).__name__}")
+    _REGISTRY[op][name] = fn
+
+
+def builtin(op: str, reference_fn: Callable, triton_fn: Callable | None = None) -> None:
+    """The built-in entries of op: its reference (as reference and as eager) and its Triton
+    launcher (default: fused.py's function of the reference's name, imported at its first call)."""
+    if triton_fn is None:
+        def triton_fn(*args, entry=reference_fn.__name__):
+            return getattr(load_fused(op), entry)(*args)
+    _REGISTRY[op].update(reference=reference_fn, eager=reference_fn, triton=triton_fn)
+
+
+def registered(op: str | None = None) -> tuple[str, ...]:
+    """The backends that implement op (None: every backend name known), built-in ones first."""
+    if op is not None:
+        _load(op)
+        return BACKENDS + tuple(n for n in _REGISTRY[op] if n not in BACKENDS)
+    return BACKENDS + tuple(dict.fromkeys(n for table in _REGISTRY.values() for n in table if n not in BACKENDS))
+
+
+def lookup(op: str, backend: str) -> Callable:
+    """The function that runs op under `backend` here, with the reference's signature: the
+    registered one, or the eager reference where a registered backend leaves op out."""
+    name = check_backend(backend)
+    _load(op)
+    return _REGISTRY[op].get(name, _REGISTRY[op]["eager"])
+
+
+def _load(op: str) -> None:
+    if op not in OPS:
+        raise ValueError(f"unknown kernel operation {op!r}; expected one of: " + ", ".join(OPS))
+    if "eager" not in _REGISTRY[op]:
+        importlib.import_module(f"{__name__}.{op}")  # enters its built-in backends
+
+
+def policy_backends(ops: tuple[str, ...]) -> tuple[str, ...]:
+    """The backends of a policy that runs the operations `ops` with its backend: reference and
+    eager anywhere; triton when it runs a kernel at all; a registered backend when it implements
+    at least one of them (the others run eager)."""
+    user = (n for n in registered() if n not in BACKENDS and any(n in _REGISTRY[op] for op in ops))
+    return ("reference", "eager") + (("triton",) if ops else ()) + tuple(user)
+
+
+def check_backend(backend: str, ops: tuple[str, ...] | None = None, owner: str | None = None) -> str:
     """The kernel backend that runs `backend` here ("eager" for "reference", else `backend`), or
-    a ValueError if it names none or cannot run here.
+    a ValueError if it names none or cannot run here; with `ops`, the operations policy `owner`
+    runs, also one that the policy does not implement (`policy_backends`).
 
     backend="triton" without CUDA runs in Triton's interpreter: allowed (with a warning, once,
     that it is slow) when the interpreter is in effect; refused at once when triton was imported
     in compiled mode, because it would only fail at the first kernel call, mid-generation."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown kernel backend {backend!r}; expected one of: " + ", ".join(map(repr, BACKENDS)))
+    if backend not in BACKENDS and not any(backend in table for table in _REGISTRY.values()):
+        raise ValueError(f"unknown kernel backend {backend!r}; expected one of: " + ", ".join(map(repr, registered())))
+    if ops is not None and backend not in policy_backends(ops):
+        calls = f"its kernels: {', '.join(ops)}" if ops else "it runs no kernel"
+        raise ValueError(f"policy {owner!r} does not implement backend {backend!r} ({calls}); expected one of: "
+                         + ", ".join(map(repr, policy_backends(ops))))
     if backend == "triton" and not torch.cuda.is_available():
         if not interpreter_in_effect():
             raise ValueError(

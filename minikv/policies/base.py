@@ -31,7 +31,7 @@ from typing import ClassVar
 import torch
 
 from ..config import ModelConfig
-from ..kernels import BACKENDS, check_backend
+from ..kernels import check_backend
 from ..models.attention import dense_attention, expand_kv  # noqa: F401  (re-exported for policies)
 from ..models.rope import RotaryEmbedding
 from .params import check_fields, declarations, param, parse_value, value_type
@@ -102,12 +102,15 @@ class Policy(ABC):
 
     name: ClassVar[str] = ""
     max_batch: ClassVar[int | None] = 1  # most policies follow one sequence; `full` takes any batch
+    # the kernel operations (minikv/kernels/<op>) the policy runs with its backend: they decide
+    # which backends it implements (kernels.policy_backends; none: reference and eager only)
+    kernels: ClassVar[tuple[str, ...]] = ()
 
-    backend: str = param("eager", choices=BACKENDS)
+    backend: str = param("eager")
 
     def __post_init__(self):
         check_fields(self)
-        check_backend(self.backend)  # "reference" stays as given: policies read it for their own forms
+        check_backend(self.backend, self.kernels, self.name)  # "reference" stays as given: policies read it for their own forms
         self.cfg: ModelConfig | None = None
         self.layers: list[LayerKV] = []
         self.steps = 0

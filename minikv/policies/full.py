@@ -81,6 +81,7 @@ class Full(Policy):
 
     name = "full"
     max_batch = None
+    kernels = ("decode_attention",)
 
     def make_layer(self, index: int) -> FullLayer:
         return FullLayer(self, index)

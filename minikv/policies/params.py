@@ -24,7 +24,8 @@ SHARED = {
     "window": "most recent tokens, always attended",
     "page_size": "tokens per page",
     "skip_layers": "the first layers, which keep full KV",
-    "backend": "reference (the readable forms), eager (the fast CPU forms) or triton (the kernels)",
+    "backend": "reference (the readable forms), eager (the fast CPU forms), triton (the kernels) or a name "
+               "given to minikv.kernels.register_backend",
 }
 
 TRUE_WORDS, FALSE_WORDS = ("true", "on", "yes", "1"), ("false", "off", "no", "0")

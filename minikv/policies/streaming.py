@@ -219,6 +219,7 @@ class Streaming(Policy):
 
     name = "streaming"
     max_batch = 1  # one sequence: every row would need its own prune schedule and cache positions
+    kernels = ("decode_attention", "rope_delta")
 
     sink: int = param(4, low=0)
     window: int | None = param(None, "most recent tokens kept, the paper's W (none: 2044, or budget - sink - R)",

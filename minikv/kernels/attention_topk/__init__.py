@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import check_backend, load_fused
+from .. import builtin, lookup
 from . import reference
+
+builtin("attention_topk", reference.attention_topk)
 
 
 def attention_topk(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, n_valid: torch.Tensor,
@@ -15,9 +17,7 @@ def attention_topk(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, n_valid:
     int64, -1 padded). scale defaults to 1/sqrt(D)."""
     if not isinstance(k_top, int) or k_top < 1:
         raise ValueError(f"k_top must be an int >= 1, got {k_top!r}")
-    if check_backend(backend) == "eager":
-        return reference.attention_topk(q, k, lse, n_valid, keep, k_top, scale)
-    return load_fused("attention_topk").attention_topk(q, k, lse, n_valid, keep, k_top, scale)
+    return lookup("attention_topk", backend)(q, k, lse, n_valid, keep, k_top, scale)
 
 
 __all__ = ["attention_topk"]

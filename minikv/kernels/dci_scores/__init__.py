@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import check_backend, load_fused
+from .. import builtin, lookup
 from . import reference
+
+builtin("dci_scores", reference.dci_scores)
 
 
 def dci_scores(q: torch.Tensor, keys: torch.Tensor, heads: torch.Tensor, cand: torch.Tensor, mask: torch.Tensor,
@@ -15,9 +17,7 @@ def dci_scores(q: torch.Tensor, keys: torch.Tensor, heads: torch.Tensor, cand: t
     int64 positions in cand, -1 past the scored)."""
     if not 0 <= k <= cand.shape[1]:
         raise ValueError(f"k must be in [0, C={cand.shape[1]}], got {k}")
-    if check_backend(backend) == "eager":
-        return reference.dci_scores(q, keys, heads, cand, mask, k)
-    return load_fused("dci_scores").dci_scores(q, keys, heads, cand, mask, k)
+    return lookup("dci_scores", backend)(q, keys, heads, cand, mask, k)
 
 
 __all__ = ["dci_scores"]

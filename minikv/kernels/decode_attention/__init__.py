@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import check_backend, load_fused
+from .. import builtin, lookup
 from . import reference
+
+builtin("decode_attention", reference.decode_attention)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
@@ -13,9 +15,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     """q (B, Hq, D) over k, v (B, Hkv, L_cap, D) slots [0, lengths[b]) (the last `window` of them
     if given; lengths >= 1) -> out (B, Hq, D) in q's dtype, plus lse (B, Hq) float32 if asked.
     scale defaults to 1/sqrt(D). The triton backend wants q, k, v of one dtype."""
-    if check_backend(backend) == "eager":
-        return reference.decode_attention(q, k, v, lengths, scale, window, return_lse)
-    return load_fused("decode_attention").decode_attention(q, k, v, lengths, scale, window, return_lse)
+    return lookup("decode_attention", backend)(q, k, v, lengths, scale, window, return_lse)
 
 
 __all__ = ["decode_attention"]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import check_backend, load_fused
+from .. import builtin, lookup
 from . import reference
+
+builtin("gathered_attention", reference.gathered_attention)
 
 
 def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
@@ -13,9 +15,7 @@ def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index:
     """q (B, Hq, D) over k, v (B, Hkv, L_cap, D) at the slots index (B, Hkv, N) lists per KV head
     (-1 = none, >= 1 slot per row and head) -> out (B, Hq, D) in q's dtype, plus lse (B, Hq)
     float32 if asked. scale defaults to 1/sqrt(D). triton wants q, k, v of one dtype."""
-    if check_backend(backend) == "eager":
-        return reference.gathered_attention(q, k, v, index, scale, return_lse)
-    return load_fused("gathered_attention").gathered_attention(q, k, v, index, scale, return_lse)
+    return lookup("gathered_attention", backend)(q, k, v, index, scale, return_lse)
 
 
 __all__ = ["gathered_attention"]

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from .. import check_backend, load_fused
+from .. import builtin, lookup
 from . import reference
+
+builtin("page_gather", reference.page_gather)
 
 
 def page_gather(src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, *, backend: str = "eager") -> torch.Tensor:
     """Copy src[rows[i]] (one page block each) into out[i], i < n: src (M, *block), rows (n,) int,
     out (>= n, *block) -> out[:n]."""
-    if check_backend(backend) == "eager":
-        return reference.page_gather(src, rows, out)
-    return load_fused("page_gather").page_gather(src, rows, out)
+    return lookup("page_gather", backend)(src, rows, out)
 
 
 __all__ = ["page_gather"]

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from .. import check_backend, load_fused
+from .. import builtin, lookup
 from . import reference
 from .reference import nhd_to_hnd
+
+builtin("page_layout", reference.hnd_to_nhd)
 
 
 def hnd_to_nhd(blocks: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, slots: torch.Tensor,
                heads: torch.Tensor, *, backend: str = "eager") -> None:
     """Write blocks (n, 2, P, D) into k_pages[slots[i], :, heads[i]] and v_pages likewise, in place."""
-    if check_backend(backend) == "eager":
-        return reference.hnd_to_nhd(blocks, k_pages, v_pages, slots, heads)
-    return load_fused("page_layout").hnd_to_nhd(blocks, k_pages, v_pages, slots, heads)
+    return lookup("page_layout", backend)(blocks, k_pages, v_pages, slots, heads)
 
 
 page_layout = hnd_to_nhd  # the op's folder name

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import torch
 
-from .. import check_backend, load_fused
+from .. import builtin, lookup
 from . import reference
 from .reference import GROUP_REDUCES, pack_codes, unpack_codes
+
+builtin("page_scores", reference.page_scores)
 
 
 def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, n_valid: torch.Tensor, k: int,
@@ -18,9 +20,7 @@ def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, n_valid: to
         raise ValueError(f"group_reduce must be one of {GROUP_REDUCES}, got {group_reduce!r}")
     if not 1 <= k <= lo.shape[2]:
         raise ValueError(f"k must be in [1, N={lo.shape[2]}], got {k}")
-    if check_backend(backend) == "eager":
-        return reference.page_scores(q, lo, hi, n_valid, k, scale, group_reduce, codes)
-    return load_fused("page_scores").page_scores(q, lo, hi, n_valid, k, scale, group_reduce, codes)
+    return lookup("page_scores", backend)(q, lo, hi, n_valid, k, scale, group_reduce, codes)
 
 
 __all__ = ["page_scores", "pack_codes", "unpack_codes", "GROUP_REDUCES"]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import check_backend, load_fused
+from .. import builtin, lookup
 from . import reference
+
+builtin("paged_attention", reference.paged_attention)
 
 
 def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
@@ -13,9 +15,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
                     backend: str = "eager"):
     """q (B, Hq, D) over pool k_pages, v_pages (S, P, Hkv, D) through page_table, page_lens
     (B, Hkv, N) int -> out (B, Hq, D), plus lse (B, Hq) float32 if asked. scale: 1/sqrt(D)."""
-    if check_backend(backend) == "eager":
-        return reference.paged_attention(q, k_pages, v_pages, page_table, page_lens, scale, return_lse)
-    return load_fused("paged_attention").paged_attention(q, k_pages, v_pages, page_table, page_lens, scale, return_lse)
+    return lookup("paged_attention", backend)(q, k_pages, v_pages, page_table, page_lens, scale, return_lse)
 
 
 __all__ = ["paged_attention"]

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import check_backend, load_fused
+from .. import builtin, lookup
 from . import reference
+
+builtin("rope_delta", reference.rope_delta)
 
 
 def rope_delta(x: torch.Tensor, delta, inv_freq: torch.Tensor, *, out: torch.Tensor | None = None,
@@ -12,9 +14,7 @@ def rope_delta(x: torch.Tensor, delta, inv_freq: torch.Tensor, *, out: torch.Ten
     """x (B, H, T, D) rotated by delta ((T,) or () int) with inv_freq (R/2,) float32; a new tensor
     like x, or `out` when given (x itself, or memory disjoint from x). Channels >= R are copied
     unchanged."""
-    if check_backend(backend) == "eager":
-        return reference.rope_delta(x, delta, inv_freq, out)
-    return load_fused("rope_delta").rope_delta(x, delta, inv_freq, out)
+    return lookup("rope_delta", backend)(x, delta, inv_freq, out)
 
 
 def rope_delta_(x: torch.Tensor, delta, inv_freq: torch.Tensor, *, backend: str = "eager") -> torch.Tensor:

@@ -49,6 +49,7 @@ class SoftFreeze(RecoveryLadder, Policy):
 
     name = "softfreeze"
     max_batch = 1
+    kernels = ("attention_relevance",)
 
     window: int = param(32, "the paper's K: the most recent tokens, never frozen", low=0)
     tau: float = param(1.0, "relevance threshold: a token with s_j < tau is counted (line 3)", low=0)

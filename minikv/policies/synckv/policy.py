@@ -50,6 +50,7 @@ class SyncKV(Policy):
 
     name = "synckv"
     max_batch = 1
+    kernels = ("attention_topk", "decode_attention", "gathered_attention")
 
     budget: int = param(512, "most tokens a non-representative KV head reads on the device: static + dynamic "
                              "+ window; capped by the context", low=1)
