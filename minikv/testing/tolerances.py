@@ -1,5 +1,5 @@
-"""Helpers for testing kernels against their references: tolerances per dtype, an error report in
-relative RMS and max-abs (flash-linear-attention style), and NaN poisoning.
+"""Tolerances for a kernel against its reference: per dtype, an error report in relative RMS and
+max-abs (flash-linear-attention style), and NaN never equal to NaN (poisoned inputs that leak).
 
 Tolerances are for a kernel against its reference when both accumulate in float32 and round once
 to the output dtype; they allow a couple of units in the last place of that dtype (under Triton's
@@ -65,11 +65,13 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
         assert rel <= max_rel_rms, f"{name}: {error_report(actual, expected)}, above {max_rel_rms:g} relative RMS"
 
 
-# Kernel tests run on the GPU when there is one, else on CPU tensors under Triton's interpreter.
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def default_device() -> torch.device:
+    """Where kernels are checked: the GPU when there is one, else CPU tensors (Triton's interpreter)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def random_tensor(shape, dtype: torch.dtype, seed: int, device=DEVICE) -> torch.Tensor:
-    """Standard normal values from their own generator, so hypothesis can shrink a seed."""
+def random_tensor(shape, dtype: torch.dtype, seed: int, device) -> torch.Tensor:
+    """Standard normal values from their own generator (on CPU, so the same on every device),
+    so that hypothesis can shrink a seed."""
     g = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=g).to(device=device, dtype=dtype)

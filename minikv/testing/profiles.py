@@ -1,0 +1,25 @@
+"""Hypothesis profiles for kernel checks, in one place (tests/conftest.py loads one).
+
+deadline=None: the first call of a kernel compiles (GPU) or is slow (interpreter). "ci" is the
+default: few examples, so that a kernel test file stays under a minute on 2 CPU cores under the
+interpreter. HYPOTHESIS_PROFILE=dev for a thorough local run.
+"""
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+PROFILES = {"ci": 30, "dev": 300}  # name -> examples per property
+
+for _name, _examples in PROFILES.items():
+    settings.register_profile(_name, max_examples=_examples, deadline=None,
+                              suppress_health_check=[HealthCheck.too_slow])
+
+
+def load_profile(name: str | None = None) -> str:
+    """Load profile `name` (default: $HYPOTHESIS_PROFILE, else "ci") for every property that
+    follows; returns its name."""
+    name = name or os.environ.get("HYPOTHESIS_PROFILE", "ci")
+    settings.load_profile(name)
+    return name
