@@ -1,9 +1,9 @@
-"""Test session setup: Triton's interpreter when there is no GPU, hypothesis profiles, fixtures."""
+"""Test session setup: Triton's interpreter when there is no GPU, hypothesis profiles (minikv.testing),
+fixtures (the kernel tests' device)."""
 import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
 
 # triton.jit chooses the interpreter when it decorates a kernel, so this must come before any
 # kernel module is imported (minikv.kernels.load_fused does the same for non-test callers).
@@ -15,12 +15,18 @@ if not torch.cuda.is_available():
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
-# deadline=None: the first call of a kernel compiles (GPU) or is slow (interpreter).
-# "ci" is the default: few examples, so a kernel test file stays under a minute on 2 CPU cores
-# under the interpreter. HYPOTHESIS_PROFILE=dev for a thorough local run.
-settings.register_profile("ci", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("dev", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+# the hypothesis profiles of minikv.testing: "ci" by default, HYPOTHESIS_PROFILE=dev for more
+from minikv.testing import default_device, load_profile  # noqa: E402
+
+load_profile()
+
+
+@pytest.fixture(scope="session")
+def device():
+    """Where kernel tests build their tensors: the GPU when there is one, else the CPU (Triton's
+    interpreter). Session-scoped, so that hypothesis' @given tests may take it."""
+    return default_device()
+
 
 from .fixtures import hf_smollm2, reference_dir, smollm2  # noqa: E402,F401  (shared fixtures)
 
