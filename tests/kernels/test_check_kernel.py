@@ -16,6 +16,10 @@ from minikv.kernels.page_scores import unpack_codes
 from minikv.policies import make
 from minikv.testing import check_kernel
 
+# examples per planted bug: a bug that shows in one drawn input of ten (ties need integer data,
+# duplicated pages and a tie at the cut) escapes 100 draws once in ~40,000 runs
+BUG_HUNT = 100
+
 
 # -- decode_attention, from its definition ---------------------------------------------------------
 
@@ -47,7 +51,7 @@ def test_decode_attention_from_its_definition_passes():
 @pytest.mark.parametrize("bug, drawn", [("length", "lengths="), ("scale", "scale="), ("window", "window=")])
 def test_decode_attention_planted_bugs_fail_naming_the_input(bug, drawn):
     with pytest.raises(AssertionError) as failure:
-        check_kernel("decode_attention", functools.partial(my_decode_attention, bug=bug))
+        check_kernel("decode_attention", functools.partial(my_decode_attention, bug=bug), examples=BUG_HUNT)
     message = str(failure.value)
     assert message.startswith("decode_attention(B=") and drawn in message and "D=" in message
     assert "relative RMS" in message or "NaN" in message or "lse" in message
@@ -85,7 +89,7 @@ def test_paged_attention_from_its_definition_passes():
 @pytest.mark.parametrize("bug", ["length", "scale", "gqa"])
 def test_paged_attention_planted_bugs_fail_naming_the_input(bug):
     with pytest.raises(AssertionError) as failure:
-        check_kernel("paged_attention", functools.partial(my_paged_attention, bug=bug))
+        check_kernel("paged_attention", functools.partial(my_paged_attention, bug=bug), examples=BUG_HUNT)
     message = str(failure.value)
     assert message.startswith("paged_attention(B=") and "tokens=" in message and "P=" in message
 
@@ -126,7 +130,7 @@ def test_page_scores_from_its_definition_passes():
 @pytest.mark.parametrize("bug", ["length", "scale", "ties"])
 def test_page_scores_planted_bugs_fail_naming_the_input(bug):
     with pytest.raises(AssertionError) as failure:
-        check_kernel("page_scores", functools.partial(my_page_scores, bug=bug))
+        check_kernel("page_scores", functools.partial(my_page_scores, bug=bug), examples=BUG_HUNT)
     message = str(failure.value)
     assert message.startswith("page_scores(B=") and "n_valid=" in message and "reduce=" in message
 
