@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minikv.config import ModelConfig
-from minikv.kernels._testing import assert_close
+from minikv.testing import assert_close
 from minikv.models.attention import dense_attention
 from minikv.policies import make
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minikv.config import ModelConfig
-from minikv.kernels._testing import assert_close
+from minikv.testing import assert_close
 from minikv.models.rope import RotaryEmbedding
 from minikv.policies import make
 from minikv.policies.streaming import prune_target, schedule
