@@ -37,8 +37,23 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     return f"warning: {message}\n"
 
 
+def _end_progress_bars() -> None:
+    """Close the progress bars an exception left open (a generator's bar stays open until it is
+    collected), so that the line said next starts a line of its own, not the bar's."""
+    tqdm = getattr(sys.modules.get("tqdm"), "tqdm", None)
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+
+
+def say(line: str) -> None:
+    """One line on stderr, on a line of its own."""
+    _end_progress_bars()
+    print(line, file=sys.stderr, flush=True)
+
+
 def interrupted(where: str = "") -> int:
     """After a Ctrl-C: one line on stderr (`where`: what was kept, where). Returns 130."""
+    _end_progress_bars()
     print(f"interrupted: {where}" if where else "interrupted", file=sys.stderr, flush=True)
     return 130
 
@@ -129,18 +144,18 @@ def run_command(main, argv=None) -> int:
     except torch.cuda.OutOfMemoryError as err:  # a RuntimeError, but one the user can act on
         if show_traceback:
             raise
-        print(f"error: out of memory on the device: {one_line(err)}", file=sys.stderr)
+        say(f"error: out of memory on the device: {one_line(err)}")
         return 2
     except USER_ERRORS as err:
         if show_traceback:
             raise
-        print(f"error: {one_line(err)}", file=sys.stderr)
+        say(f"error: {one_line(err)}")
         return 2
     except Exception as err:  # noqa: BLE001  (a bug: say what, keep it to one line)
         if show_traceback:
             raise
-        print(f"error: internal error, {type(err).__name__}: {one_line(err)} "
-              "(this is a bug in minikv; MINIKV_TRACEBACK=1 shows where)", file=sys.stderr)
+        say(f"error: internal error, {type(err).__name__}: {one_line(err)} "
+            "(this is a bug in minikv; MINIKV_TRACEBACK=1 shows where)")
         return 1
     finally:
         _restore_interrupt(previous)
