@@ -108,7 +108,7 @@ def test_compare_and_recall_that_measured_nothing_exit_2():
                "--budget", "64", "--length", "9000", "--threads", "1")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: no row ran"), proc.stderr
     assert proc.stdout == ""
-    proc = cli("minikv.bench", "recall", "--policy", "freekv", "--budget", "64", "--prompt-length", "9000",
+    proc = cli("minikv.bench", "recall", "--policy", "freekv", "--budget", "128", "--prompt-length", "9000",
                "--threads", "1")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: no policy was measured")
     assert proc.stdout == ""
