@@ -206,8 +206,9 @@ def check_policies(specs) -> list:
 def check_output_paths(args, dirs=()) -> None:
     """Every output path a command has (--json FILE, --png FILE, --out FILE; the names in `dirs`
     are directories, e.g. compare's --out DIR): each can be written, now, before the model loads,
-    so that no run ends in an error after its work. A directory is created; a file is opened for
-    appending (created, then removed, if it did not exist), so nothing in it is lost."""
+    so that no run ends in an error after its work. A file is opened for
+    appending (created, then removed, if it did not exist), so nothing in it is lost; a directory
+    is not created yet, but where it would be must take files."""
     for name in ("json", "png", "out"):
         path = getattr(args, name, None)
         if not isinstance(path, str):  # absent, not given, or a switch (generate's --json)
@@ -238,18 +239,23 @@ def check_writable_file(flag: str, path: str) -> None:
 
 
 def check_writable_dir(flag: str, path: str) -> None:
+    """The directory exists and takes a new file, or can be made: its nearest existing ancestor
+    is a directory that takes one (nothing is created: --check leaves no trace)."""
     if not path:
         raise ValueError(f"{flag} is empty; give a directory")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        what = "is a file" if existing == os.path.abspath(path) else f"is under {existing}, which is a file"
+        raise ValueError(f"{flag} {path} {what}, not a directory")
+    probe = os.path.join(existing, f".minikv-write-check-{os.getpid()}")
     try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".minikv-write-check-{os.getpid()}")
         with open(probe, "w"):
             pass
         os.remove(probe)
-    except FileExistsError:
-        raise ValueError(f"{flag} {path} is a file, not a directory") from None
     except OSError as err:
-        raise ValueError(f"{flag} {path}: cannot write in this directory: {err.strerror or err}") from None
+        raise ValueError(f"{flag} {path}: cannot write in {existing}: {err.strerror or err}") from None
 
 
 # -- strict JSON -----------------------------------------------------------------------------
