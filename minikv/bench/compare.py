@@ -110,13 +110,16 @@ def run_compare(model, tok, args, settings: dict) -> dict:
     result = {"benchmark": "compare", "model": args.model, "settings": settings,
               "rows": [{"source": "minikv", **cfg, "error": None} for cfg in cfgs], "oracle": {},
               "machine": machine()}
+    saves = []
+
+    def saved():  # partial results survive a crash, prompt by prompt
+        save(result, args)
+        saves.append(True)
+
     try:
-        run_rows(model, tok, result, instances, long_ids, settings["long_prompt"],
-                 saved=lambda: save(result, args))  # partial results survive a crash
+        run_rows(model, tok, result, instances, long_ids, settings["long_prompt"], saved=saved)
     except KeyboardInterrupt:
-        saved_to = " and ".join(saved_paths(args))
-        raise KeyboardInterrupt(f"the rows measured so far are in {saved_to}" if saved_to else
-                                "nothing was saved: --out DIR keeps the rows as they are measured") from None
+        raise KeyboardInterrupt(where_saved(args, bool(saves))) from None
     if all(row["error"] for row in result["rows"]):
         raise ValueError(f"no row ran, every policy failed (first: {result['rows'][0]['spec']}, "
                          f"{result['rows'][0]['error']})")
@@ -138,6 +141,15 @@ def machine() -> dict:
 def saved_paths(args) -> list[str]:
     """Where the run's JSON goes: --out DIR/compare.json and --json FILE, as given."""
     return ([str(Path(args.out) / "compare.json")] if args.out else []) + ([args.json] if args.json else [])
+
+
+def where_saved(args, any_saved: bool) -> str:
+    """For the line an interrupt prints: where the rows measured so far are."""
+    if not saved_paths(args):
+        return "nothing was saved: --out DIR keeps the rows as they are measured"
+    if not any_saved:
+        return "no prompt was finished, nothing was saved"
+    return f"the rows measured so far are in {' and '.join(saved_paths(args))}"
 
 
 def save(result: dict, args) -> None:

@@ -78,6 +78,8 @@ def read_stdin() -> str:
     if sys.stdin is None:
         raise ValueError("--prompt-file -: stdin is closed; give the prompt with --prompt or --prompt-file FILE")
     try:
+        if not hasattr(sys.stdin, "buffer"):  # a text stream put in its place (an embedding program's)
+            return sys.stdin.read()
         data = sys.stdin.buffer.read()
     except (OSError, ValueError) as err:  # ValueError: a closed file
         raise ValueError(f"--prompt-file -: cannot read stdin ({err})") from None
