@@ -53,8 +53,7 @@ def say(line: str) -> None:
 
 def interrupted(where: str = "") -> int:
     """After a Ctrl-C: one line on stderr (`where`: what was kept, where). Returns 130."""
-    _end_progress_bars()
-    print(f"interrupted: {where}" if where else "interrupted", file=sys.stderr, flush=True)
+    say(f"interrupted: {where}" if where else "interrupted")
     return 130
 
 
