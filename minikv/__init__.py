@@ -3,7 +3,22 @@
     model, tokenizer = minikv.load("smollm2")
     result = minikv.generate(model, tokenizer, "Hello", policy="streaming:sink=4,window=252")
 """
-from .kernels import select_interpreter_without_cuda
+import os as _os
+import signal as _signal
+import sys as _sys
+
+
+def _interrupted_while_importing(*_):
+    _os.write(2, b"interrupted\n")
+    _os._exit(130)
+
+
+if _sys.argv[:1] == ["-m"] and _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+    # `python -m minikv.<command>`: a Ctrl-C while torch imports (seconds) is one line, not a
+    # traceback; minikv.cli.run_command gives Ctrl-C its usual meaning back
+    _signal.signal(_signal.SIGINT, _interrupted_while_importing)
+
+from .kernels import select_interpreter_without_cuda  # noqa: E402
 
 select_interpreter_without_cuda()  # before anything imports triton (see minikv.kernels)
 

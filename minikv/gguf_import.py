@@ -15,6 +15,7 @@ killed import are swept by the next one.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -40,9 +41,24 @@ STALE_AFTER_S = 3600  # a temporary directory nothing was written to for this lo
 
 def cache_dir() -> Path:
     root = os.environ.get("MINIKV_CACHE")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "minikv"
+    path = Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "minikv"
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"the model cache {path} is a file, not a directory; "
+                         f"{'point MINIKV_CACHE at' if root else 'move it, or set MINIKV_CACHE to'} a directory")
+    return path
+
+
+def cache_write_error(err: OSError, where: Path) -> OSError:
+    """What a failed write into the cache directory `where` says: the directory (not a temporary
+    name inside it) and what to do; a full disk and a read-only cache by name."""
+    setting = "MINIKV_CACHE" if os.environ.get("MINIKV_CACHE") else "MINIKV_CACHE (now unset: ~/.cache/minikv)"
+    if err.errno == errno.ENOSPC:
+        return OSError(err.errno, f"no space left on the device to write the model cache {where}: free some "
+                                  f"space, or set {setting} to a directory on another disk")
+    if err.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
+        return OSError(err.errno, f"cannot write the model cache {where} ({err.strerror}): set {setting} to a "
+                                  "directory you can write")
+    return err
 
 
 def write_safetensors(file: Path, shapes: dict[str, tuple[int, ...]], tensors, metadata: dict) -> None:
@@ -140,6 +156,13 @@ def import_gguf(path: str | Path, out_dir: Path | None = None, progress: bool = 
     reader = open_gguf(path)
     cfg = gguf_config(reader, path)
     shapes = hf_shapes(reader, cfg, path)  # every check before the first write
+    try:
+        return _write_import(reader, path, cfg, shapes, stamp, out_dir, progress)
+    except OSError as err:
+        raise cache_write_error(err, out_dir.parent) from None
+
+
+def _write_import(reader, path: Path, cfg: dict, shapes: dict, stamp: dict, out_dir: Path, progress: bool) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     sweep_stale_imports(out_dir.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=TMP_SUFFIX, dir=out_dir.parent))

@@ -98,6 +98,8 @@ def resolve_device(device=None) -> torch.device:
             raise ValueError(f"device {str(device)!r}: there are {torch.cuda.device_count()} CUDA devices")
     elif dev.type != "cpu":
         raise ValueError(f"device {str(device)!r}: minikv runs on cpu or cuda")
+    elif dev.index is not None:  # torch keeps it, and tensors on "cpu" then compare unequal to it
+        raise ValueError(f"device {str(device)!r}: the CPU is one device, without an index; use cpu")
     return dev
 
 

@@ -3,7 +3,8 @@ progress on stderr; --json FILE writes its numbers. `python -m minikv.bench --he
 
 Every ratio a benchmark prints is `this / full` (e.g. "TPOT x full": below 1 is faster than the
 full cache). Flags are checked before the model loads: the shared ones (--model --device --dtype
---threads --policy) here, a benchmark's own in its `check(args)` when it has one. Errors take
+--threads --policy) and every output path (--json, --png, --out: a file, or a directory where the
+module's OUTPUT_DIRS names it) here, a benchmark's own in its `check(args)` when it has one. Errors take
 minikv's one path (minikv.cli): one line `error: ...` on stderr, exit code 2."""
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pkgutil
 import sys
 
 import minikv.bench as bench_pkg
-from minikv.cli import check_common, run_command
+from minikv.cli import check_common, check_output_paths, run_command
 
 
 def benchmarks() -> dict:
@@ -42,6 +43,7 @@ def main(argv=None) -> int:
         p.set_defaults(_module=module)
     args = parser.parse_args(argv)
     check_common(args)
+    check_output_paths(args, dirs=getattr(args._module, "OUTPUT_DIRS", ()))
     if hasattr(args._module, "check"):
         args._module.check(args)
     if args.check:

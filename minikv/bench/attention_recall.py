@@ -69,6 +69,8 @@ def run(args) -> int:
             out.append({"policy": cfg["spec"], "budget": cfg["budget"], "recall": probe.recall,
                         "measured": probe.count, "device_tokens_peak": stats["device_tokens_peak"]})
         print(f"  {cfg['spec']}: done", file=sys.stderr, flush=True)
+    if not out:  # an empty table would read as a result
+        raise ValueError("no policy was measured (each one failed or renumbers positions; see above)")
     print_table(out, [("policy", "policy", ""), ("budget", "budget", "d"), ("recall", "recall", ".3f"),
                       ("layer-steps measured", "measured", "d"), ("peak device tokens", "device_tokens_peak", ".0f")],
                 title=f"\nattention recall, {args.model}, {args.prompt_length}-token prompt, {args.steps} steps "

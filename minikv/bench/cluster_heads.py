@@ -20,12 +20,12 @@ of one layer, against that between heads of two different layers.
 """
 from __future__ import annotations
 
-import json
 import sys
 import time
 
 import torch
 
+from ..cli import dumps
 from ..generate import generate
 from ..kernels.attention_topk import attention_topk
 from ..kernels.decode_attention import decode_attention
@@ -178,8 +178,7 @@ def run(args) -> int:
     doc = make_document(cfg, name=str(args.model), weights=weights_sha256(model_dir),
                         S=S, corpus=corpus, seed=args.seed, n_rs=args.n_r)
     with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
+        f.write(dumps(doc, indent=1) + "\n")
     print_summary(S, doc)
     print_observations(probe.observations(), args)
     print(f"\nwrote {args.out}")

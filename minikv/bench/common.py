@@ -9,7 +9,6 @@
 """
 from __future__ import annotations
 
-import json
 import platform
 import statistics
 import time
@@ -75,9 +74,12 @@ def environment() -> dict:
 
 
 def write_json(path: str | None, payload: dict) -> None:
+    """Strict JSON (minikv.cli.dumps: NaN and infinities as null)."""
+    from ..cli import dumps
+
     if path:
         with open(path, "w") as f:
-            json.dump({**payload, "environment": environment()}, f, indent=2)
+            f.write(dumps({**payload, "environment": environment()}, indent=2))
 
 
 def measure_read_bandwidth(device="cpu", mbytes: int = 256, repeats: int = 5) -> float:

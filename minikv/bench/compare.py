@@ -35,6 +35,8 @@ import json
 import sys
 from pathlib import Path
 
+from ..cli import dumps, interrupted
+
 from ..policies import available, make
 from ..policies.base import _REGISTRY, parameters
 from . import compare_report as report
@@ -46,6 +48,7 @@ from .passkey import with_budget
 from .tasks import HAYSTACKS, haystacks, make_instance, task_names
 
 COMMAND = "compare"
+OUTPUT_DIRS = ("out",)  # --out is a directory (python -m minikv.bench checks it before the model loads)
 PRESETS = {
     # quick: about 2 CPU-minutes per row on one thread (README: measured time)
     "quick": {"length": 1024, "seeds": [0, 1, 2], "haystacks": ["noise"], "long_prompt": 2048, "long_steps": 32},
@@ -107,8 +110,19 @@ def run_compare(model, tok, args, settings: dict) -> dict:
     result = {"benchmark": "compare", "model": args.model, "settings": settings,
               "rows": [{"source": "minikv", **cfg, "error": None} for cfg in cfgs], "oracle": {},
               "machine": machine()}
-    run_rows(model, tok, result, instances, long_ids, settings["long_prompt"],
-             saved=lambda: save(result, args) if args.out else None)  # partial results survive a crash
+    saves = []
+
+    def saved():  # partial results survive a crash, prompt by prompt
+        save(result, args)
+        saves.append(True)
+
+    try:
+        run_rows(model, tok, result, instances, long_ids, settings["long_prompt"], saved=saved)
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(where_saved(args, bool(saves))) from None
+    if all(row["error"] for row in result["rows"]):
+        raise ValueError(f"no row ran, every policy failed (first: {result['rows'][0]['spec']}, "
+                         f"{result['rows'][0]['error']})")
     return result
 
 
@@ -124,10 +138,25 @@ def machine() -> dict:
     return {**environment(), "cpu": cpu}
 
 
+def saved_paths(args) -> list[str]:
+    """Where the run's JSON goes: --out DIR/compare.json and --json FILE, as given."""
+    return ([str(Path(args.out) / "compare.json")] if args.out else []) + ([args.json] if args.json else [])
+
+
+def where_saved(args, any_saved: bool) -> str:
+    """For the line an interrupt prints: where the rows measured so far are."""
+    if not saved_paths(args):
+        return "nothing was saved: --out DIR keeps the rows as they are measured"
+    if not any_saved:
+        return "no prompt was finished, nothing was saved"
+    return f"the rows measured so far are in {' and '.join(saved_paths(args))}"
+
+
 def save(result: dict, args) -> None:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "compare.json").write_text(json.dumps(result, indent=1))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    for path in saved_paths(args):
+        Path(path).write_text(dumps(result, indent=1))
 
 
 def load_rows(path: str) -> dict:
@@ -191,13 +220,13 @@ def run(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:
+        return interrupted(str(e))
     report.annotate(result)
     text = report.markdown(result)
     print(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    save(result, args)
     if args.out:
-        save(result, args)
         (Path(args.out) / "compare.md").write_text(text)
         figures(result, Path(args.out))
     return 0

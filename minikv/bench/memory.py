@@ -21,12 +21,12 @@ the distribution of the s_j softfreeze judges by (Eq. 2's with score=raw), to ju
 """
 from __future__ import annotations
 
-import json
 import statistics
 from contextlib import nullcontext
 
 import torch
 
+from ..cli import dumps
 from ..generate import generate
 from ..loading import load
 from ..policies import make
@@ -167,5 +167,5 @@ def run(args) -> int:
         print(f"wrote {args.png}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(rows=rows, relevance=stats, new_tokens=args.new_tokens, prompt=args.prompt), f, indent=1)
+            f.write(dumps(dict(rows=rows, relevance=stats, new_tokens=args.new_tokens, prompt=args.prompt), indent=1))
     return 0

@@ -77,6 +77,9 @@ def check(args) -> None:
     for name in ("baseline_every", "short", "tpot_span"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    bad = [at for at in args.tpot_at if at < 1]
+    if bad:
+        raise ValueError(f"--tpot-at takes token counts >= 1, got {bad[0]}")
     for spec in args.policy or [spec for _, spec in default_policies(args.context)]:
         make(spec)
 

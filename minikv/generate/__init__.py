@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import math
 import operator
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -44,12 +46,26 @@ class BatchResults(list):
 # -- sampling ----------------------------------------------------------------------------------
 
 
+def as_int(name: str, value, minimum: int | None = None) -> int:
+    """An integer argument: int, numpy and 0-d tensor integers (operator.index); not a bool (True
+    is not 1 token), a float or a string."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r:.80}") from None
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
+    return value
+
+
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
     # `not (x >= 0)` rather than `x < 0`: NaN fails every comparison and must be refused too
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_k is not None:
+        as_int("top_k", top_k, 1)
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
@@ -137,10 +153,25 @@ def decode_n_tokens(model, logits, lengths, policy, n, eos_ids, sampling, genera
                 on_token(0, -rewind)  # tells a streaming printer to take back `rewind` tokens
 
 
+def is_batch(prompt) -> bool:
+    """A list of prompts (strings or lists of ids), not one prompt of token ids."""
+    if not isinstance(prompt, list) or not prompt:
+        return False
+    first = prompt[0]
+    return isinstance(first, (str, bytes, list, tuple)) or (isinstance(first, torch.Tensor) and first.dim() > 0)
+
+
 def encode_prompt(tokenizer, prompt, chat: bool, vocab_size: int) -> list[int]:
+    if isinstance(prompt, (bytes, bytearray, memoryview)):  # iterating bytes gives ints: garbage ids
+        raise ValueError("a prompt is a str or a list of token ids, got bytes: decode them first "
+                         "(prompt.decode('utf-8'))")
     if isinstance(prompt, str):
         if not prompt.strip():
             raise ValueError("the prompt is empty")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(f"the prompt is not UTF-8 text: character {err.start} is a lone surrogate") from None
         if chat:
             text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
             return tokenizer.encode(text, add_bos=False)
@@ -148,7 +179,9 @@ def encode_prompt(tokenizer, prompt, chat: bool, vocab_size: int) -> list[int]:
     try:
         ids = [operator.index(t) for t in prompt]  # ints, numpy and 0-d tensor ints; not 1.5 or "7"
     except TypeError:
-        raise ValueError(f"token ids must be integers, got {prompt!r:.80}") from None
+        raise ValueError(f"token ids must be integers (a prompt is a str or token ids), got {prompt!r:.80}") from None
+    if any(isinstance(t, bool) for t in prompt):
+        raise ValueError("token ids must be integers, not booleans")
     if not ids:
         raise ValueError("the prompt is empty")
     bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -166,16 +199,54 @@ def generate(model, tokenizer, prompt, policy="full", max_new_tokens: int = DEFA
     and its counters. A batch: BatchResults, a list with one GenerationResult per prompt, each
     with its own `prompt_tokens`, `new_tokens` and `finish` ("eos" or "length"), and the batch's
     timing and KV numbers once, in `.stats`. `policy` is a spec string or an unbound Policy; it is
-    bound here to this model and sequence length. on_token(row, id) is called as tokens are
+    bound here to this model and sequence length, so a Policy object serves one generate at a
+    time: a second one while it runs (another thread) is refused with a RuntimeError; give each
+    thread its own (a spec string, or minikv.make_policy). on_token(row, id) is called as tokens are
     produced (a negative id -n means: take back the last n tokens). progress(done, total) is
     called during the prefill, in prompt tokens (see tokens_progress).
     """
     check_sampling(temperature, top_k, top_p)
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    batched = isinstance(prompt, list) and len(prompt) > 0 and not isinstance(prompt[0], int)
+    max_new_tokens = as_int("max_new_tokens", max_new_tokens, 1)
+    seed = None if seed is None else as_int("seed", seed)
+    batched = is_batch(prompt)
     policy = make(policy) if isinstance(policy, str) else policy  # a bad spec fails before tokenizing
-    prompts = [encode_prompt(tokenizer, p, chat, model.cfg.vocab_size) for p in (prompt if batched else [prompt])]
+    vocab = model.cfg.vocab_size
+    prompts = ([batch_prompt(tokenizer, p, i, chat, vocab) for i, p in enumerate(prompt)] if batched
+               else [encode_prompt(tokenizer, prompt, chat, vocab)])
+    with exclusive(policy):
+        return _generate(model, tokenizer, policy, prompts, batched, max_new_tokens, (temperature, top_k, top_p),
+                         seed, stop_at_eos, on_token, progress)
+
+
+def batch_prompt(tokenizer, prompt, index: int, chat: bool, vocab_size: int) -> list[int]:
+    try:
+        return encode_prompt(tokenizer, prompt, chat, vocab_size)
+    except ValueError as err:
+        raise ValueError(f"prompt {index} of the batch: {err}") from None
+
+
+_IN_USE = threading.Lock()  # guards the test-and-set of a policy's `_generating` mark
+
+
+@contextmanager
+def exclusive(policy: Policy):
+    """A bound policy holds one sequence's cache: a second generate binding the same object while
+    the first runs (another thread) would rebind it under the first and both would read each
+    other's KV. Refused, with what to do instead."""
+    with _IN_USE:
+        if getattr(policy, "_generating", False):
+            raise RuntimeError(f"policy {policy.name!r} is already generating (another thread holds this Policy "
+                               "object); give each concurrent generate its own policy: a spec string or "
+                               "minikv.make_policy(spec)")
+        policy._generating = True
+    try:
+        yield
+    finally:
+        policy._generating = False
+
+
+def _generate(model, tokenizer, policy, prompts, batched, max_new_tokens, sampling, seed, stop_at_eos, on_token,
+              progress):
     context = model.cfg.max_position_embeddings
     longest = max(len(p) for p in prompts)
     if longest > context:
@@ -193,8 +264,8 @@ def generate(model, tokenizer, prompt, policy="full", max_new_tokens: int = DEFA
     t0 = time.perf_counter()
     logits = prefill(model, ids, lengths, policy, progress)
     ttft = time.perf_counter() - t0
-    new, step_times = decode_n_tokens(model, logits, lengths, policy, max_new_tokens, eos_ids,
-                                      (temperature, top_k, top_p), generator, on_token)
+    new, step_times = decode_n_tokens(model, logits, lengths, policy, max_new_tokens, eos_ids, sampling,
+                                      generator, on_token)
     total = time.perf_counter() - t0
     stats = generation_stats(policy, prompts, new, ttft, step_times, total, model)
     texts = [tokenizer.decode([t for t in row if t not in eos_ids]) for row in new]

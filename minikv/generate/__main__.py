@@ -4,19 +4,19 @@ Streams the generated text to stdout as it is produced, then prints one summary 
 (prompt and prefill speed, new tokens and decode speed, the policy, the KV cache on each tier);
 --quiet leaves the summary out, --stats adds the full table, --json prints the result as JSON on
 stdout instead of the text. Every flag is checked before the model loads. Ctrl-C stops
-generation and keeps what was generated (exit code 130); a bad flag or input prints one line
-`error: ...` and exits with 2.
+generation and keeps what was generated, printing it and one line `interrupted: ...` (exit code
+130); a reader that stops reading (`| head -c 5`) ends it quietly (exit code 0); a bad flag or
+input, a closed stdin included, prints one line `error: ...` and exits with 2.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 
 from . import DEFAULT_MAX_NEW_TOKENS, check_sampling, decode_bandwidth, generate
-from ..cli import check_common, check_positive, run_command
+from ..cli import check_common, check_output_paths, check_positive, dumps, run_command, stdout_reader_gone
 
 DEFAULT_THREADS = 1  # see --threads
 
@@ -73,13 +73,40 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def read_stdin() -> str:
+    """stdin's text, checked as a file's is: UTF-8, or an error (not U+FFFD in its place)."""
+    if sys.stdin is None:
+        raise ValueError("--prompt-file -: stdin is closed; give the prompt with --prompt or --prompt-file FILE")
+    try:
+        if not hasattr(sys.stdin, "buffer"):  # a text stream put in its place (an embedding program's)
+            return sys.stdin.read()
+        data = sys.stdin.buffer.read()
+    except (OSError, ValueError) as err:  # ValueError: a closed file
+        raise ValueError(f"--prompt-file -: cannot read stdin ({err})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"the prompt on stdin is not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
+def check_text(text: str, where: str) -> str:
+    """A prompt the tokenizer can take: not empty, no lone surrogates (bytes that were not UTF-8
+    on the command line arrive as those)."""
+    if not text.strip():
+        raise ValueError(f"the prompt{where} is empty")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"the prompt{where} is not UTF-8 text (character {err.start} is a lone surrogate, "
+                         "from bytes that were not UTF-8)") from None
+    return text
+
+
 def read_prompt(args) -> str:
     if args.prompt is not None:
-        if not args.prompt.strip():
-            raise ValueError("the prompt is empty")
-        return args.prompt
+        return check_text(args.prompt, "")
     if args.prompt_file == "-":
-        text = sys.stdin.read()
+        text = read_stdin()
     else:
         try:
             with open(args.prompt_file, encoding="utf-8") as f:
@@ -90,14 +117,13 @@ def read_prompt(args) -> str:
             raise ValueError(f"prompt file {args.prompt_file} is not UTF-8 text ({err.reason} at byte {err.start})") from None
         except IsADirectoryError:
             raise ValueError(f"prompt file {args.prompt_file} is a directory") from None
-    if not text.strip():
-        raise ValueError(f"the prompt in {args.prompt_file} is empty")
-    return text
+    return check_text(text, " on stdin" if args.prompt_file == "-" else f" in {args.prompt_file}")
 
 
 def check_args(args) -> str:
     """Everything that needs no model, before it loads. Returns the prompt."""
     check_common(args)  # --model --device --dtype --threads --policy
+    check_output_paths(args)  # none today (--json prints on stdout); every command checks them the same way
     check_sampling(args.temperature, args.top_k, args.top_p)
     check_positive("--max-new-tokens", args.max_new_tokens)
     if args.plain and args.compile:
@@ -112,6 +138,7 @@ class StreamPrinter:
         self.tokenizer, self.enabled = tokenizer, enabled
         self.ids: list[int] = []
         self.stream = tokenizer.stream()
+        self.reader_gone = stdout_reader_gone()  # --json prints at the end: stop early if no one will read it
 
     def __call__(self, row: int, token: int) -> None:
         if token < 0:  # the policy rewound: restart the stream from the kept tokens, say so
@@ -123,6 +150,8 @@ class StreamPrinter:
                 self.stream.push(t)
             return
         self.ids.append(token)
+        if not self.enabled and self.reader_gone():
+            raise BrokenPipeError("stdout's reader has gone")
         if token in self.tokenizer.eos_ids:
             return
         text = self.stream.push(token)
@@ -208,17 +237,19 @@ def main(argv=None) -> int:
         if bar is not None:
             bar.close()
     if args.json:
-        print(json.dumps({"text": text, "token_ids": ids, "stats": stats}))
+        print(dumps({"text": text, "token_ids": ids, "stats": stats}))
     else:
         sys.stdout.write(printer.stream.flush() + "\n")
         sys.stdout.flush()
-    if not args.quiet and not interrupted:
+    if interrupted:  # one line, as every command's Ctrl-C
+        print(f"interrupted: {len(ids)} tokens generated, kept above", file=sys.stderr)
+    elif not args.quiet:
         print(summary_line(stats), file=sys.stderr)
     if args.stats and "bytes_per_token" in stats:  # the achieved bandwidth's share of the machine's
         from ..bench.common import measure_read_bandwidth
 
         stats.update(decode_bandwidth(stats["bytes_per_token"], stats["tpot_s"], measure_read_bandwidth(model.device)))
-    if args.stats or interrupted:
+    if args.stats:
         print_stats(stats)
     return 130 if interrupted else 0
 

@@ -56,11 +56,22 @@ def model_config(config) -> tuple[ModelConfig, bool]:
     cfg = ModelConfig(
         model_type=c.model_type, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
         intermediate_size=getattr(c, "intermediate_size", 4 * c.hidden_size), n_layers=c.num_hidden_layers,
-        n_heads=n_heads, n_kv_heads=getattr(c, "num_key_value_heads", None) or n_heads, head_dim=head_dim,
+        n_heads=n_heads, n_kv_heads=kv_heads(c), head_dim=head_dim,
         max_position_embeddings=c.max_position_embeddings, rope_theta=theta, rope_scaling=scaling,
         rotary_dim=rotary_dim, sliding_window=window,
     )
     return cfg, rope_known
+
+
+MHA_ONLY = ("gpt_neox",)  # architectures whose attention has as many KV heads as query heads, always
+
+
+def kv_heads(c) -> int:
+    """KV heads of a transformers text config: num_key_value_heads, where the architecture reads
+    it (a gpt_neox config may carry one its attention ignores)."""
+    if c.model_type in MHA_ONLY:
+        return c.num_attention_heads
+    return getattr(c, "num_key_value_heads", None) or c.num_attention_heads
 
 
 def renumbers(policy: Policy) -> bool:
@@ -94,6 +105,9 @@ class PolicyLayer(CacheLayerMixin):
         if _active_cache() is not self.cache:
             raise RuntimeError("minikv.hf: a PolicyCache was used by a model it is not attached to; "
                                "make it with minikv.hf.cache(model, ...) for that model")
+        if key_states.shape[1] != self.cache.cfg.n_kv_heads:
+            raise ValueError(f"minikv.hf: layer {self.index} has {key_states.shape[1]} KV heads, the model config "
+                             f"{self.cache.cfg.n_kv_heads} (num_key_value_heads); this architecture is not supported")
         self.pending = key_states
         return key_states, value_states
 

@@ -71,16 +71,23 @@ class PolicyRun:
 def policy(model, spec):
     """Inside the block, `model.generate(...)` runs every attention layer through a fresh binding
     of policy `spec` (a spec string such as "freekv:budget=256", or an unbound Policy). Yields a
-    PolicyRun: `run.stats()` is the last generation's policy stats."""
+    PolicyRun: `run.stats()` is the last generation's policy stats. Blocks nest: inside an inner
+    block its policy applies, and the outer one again after it; when the outermost block ends,
+    the model is as it was before it (attention, hooks, `generate`), but for the last cache, which
+    `minikv.hf.stats(model)` reads."""
     make(spec)  # a bad spec fails here, not at the first generate
+    saved = vars(model).get("generate")  # an outer block's, or none (the class's method)
     was_attached = bool(getattr(model, "_minikv_hooks", None))
     attach(model)
     run = PolicyRun(model, spec)
-    original = model.generate
+    original = model.generate  # an outer block's generate hands a call with our cache straight through
     model.generate = lambda *args, **kwargs: run.generate(original, args, kwargs)
     try:
         yield run
     finally:
-        del model.generate  # the instance attribute: the class's method shows through again
         if not was_attached:
             detach(model)
+        if saved is not None:
+            model.generate = saved
+        else:
+            del model.generate  # the instance attribute: the class's method shows through again

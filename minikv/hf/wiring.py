@@ -113,7 +113,7 @@ def detach(model) -> None:
         h.remove()
     if previous is not None:
         model.set_attn_implementation(previous)
-    model._minikv_hooks = None
+    vars(model).pop("_minikv_hooks", None)
 
 
 def cache(model, spec, *, max_new_tokens: int | None = None, max_len: int | None = None) -> PolicyCache:

@@ -262,6 +262,8 @@ def make(spec: "str | Policy", **overrides) -> Policy:
             raise ValueError(f"policy parameter {item!r} in {spec!r} is not of the form key=value")
         if key not in known:
             raise ValueError(f"policy {name!r} has no parameter {key!r}; parameters: {', '.join(known)}")
+        if key in kwargs:  # not the last one silently: which did the user mean?
+            raise ValueError(f"policy {name!r}: parameter {key!r} is given twice in {spec!r}")
         kind, nullable = value_type(known[key])
         kwargs[key] = parse_value(value.strip(), kind, nullable, where=f"policy {name!r}: {key}")
     for key in overrides:

@@ -176,3 +176,32 @@ def test_tasks_without_a_choice_of_haystack_refuse_pydoc(tok):
     with pytest.raises(ValueError, match="unknown haystack"):
         make_instance("passkey", tok, 1000, 0, haystack="essays")
     assert make_instance("niah_multikey_2", tok, 1000, 0).haystack == "needle"
+
+
+def test_every_instance_of_every_compare_preset_generates(tok):
+    """Each task, haystack, length and seed a compare preset names gives an instance, with the real
+    tokenizer (an ambiguous draw is drawn again from a sub-seed, not an error an hour in). fwe
+    seed 2 at the quick preset's length is such a draw."""
+    from minikv.bench.compare import PRESETS, task_haystacks
+
+    redrawn = set()
+    for name, preset in PRESETS.items():
+        for task in task_names():
+            for haystack in task_haystacks(task, preset["haystacks"]):
+                for seed in preset["seeds"]:
+                    inst = make_instance(task, tok, preset["length"], seed, haystack=haystack)
+                    assert len(inst.ids) == preset["length"] and inst.answers, (name, task, haystack, seed)
+                    if inst.redraw:
+                        redrawn.add((task, preset["length"], seed))
+    assert ("fwe", 1024, 2) in redrawn
+
+
+def test_an_ambiguous_draw_is_drawn_again_deterministically(tok):
+    a, b = (make_instance("fwe", tok, 1024, seed=2) for _ in range(2))
+    assert a.redraw >= 1 and (a.ids, a.answers, a.redraw) == (b.ids, b.answers, b.redraw)
+    assert a.seed == 2 and make_instance("fwe", tok, 1024, seed=0).redraw == 0  # seeds that were fine keep their instance
+    text = tok.decode(a.ids)  # the redrawn instance is unambiguous on the text in the prompt
+    body = text[text.index("coded words. ") + 13:text.rindex("\nQuestion:")]
+    counts = Counter(w for w in body.split() if re.fullmatch(r"[a-z]{6}", w))
+    ranked = counts.most_common(4)
+    assert [w for w, _ in ranked[:3]] == a.answers and ranked[2][1] > ranked[3][1]

@@ -5,6 +5,7 @@
     inst.answers        the references; score with string_match_all([prediction], [inst.answers])
     inst.needles        token spans [start, end) of every needle inside inst.ids
     inst.depths         where each needle sits, as a fraction of the haystack (0 = start)
+    inst.redraw         0, or the sub-seed of the seed the instance was drawn again from
 
 The tasks follow the generators of NVIDIA's RULER (Hsieh et al., "RULER: What's the Real Context
 Size of Your Long-Context Language Models?", COLM 2024, https://arxiv.org/abs/2404.06654): its
@@ -21,7 +22,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from .fitting import HAYSTACKS, chat_frame, check_haystack
+from .fitting import HAYSTACKS, Ambiguous, chat_frame, check_haystack
+
+MAX_REDRAWS = 100  # an ambiguous draw is rare (1 in 27 of the quick preset's): 100 in a row is a bug
 
 
 @dataclass
@@ -36,6 +39,7 @@ class Instance:
     depths: list[float] = field(default_factory=list)
     query: str = ""
     haystack: str = "noise"  # noise, pydoc (natural text), needle (distractors), or the task's own
+    redraw: int = 0  # the sub-seed of `seed` it was drawn from (0: the seed's own draw; fitting.Ambiguous)
 
     @property
     def key(self) -> str:
@@ -83,7 +87,8 @@ def make_instance(task: str, tokenizer, length: int, seed: int, chat: bool = Tru
     """One instance of `task`, exactly `length` tokens. chat=True wraps the task in the model's chat
     template (a user turn, then the assistant turn opened with the answer prefix); passkey always
     uses its benchmark's plain prompt. haystack: "noise" or "pydoc" (natural text), for the tasks
-    that offer it (haystacks(task)); other tasks refuse "pydoc"."""
+    that offer it (haystacks(task)); other tasks refuse "pydoc". Every seed gives an instance: one
+    whose answer came out ambiguous is drawn again from the seed's next sub-seed (inst.redraw)."""
     tasks = _registry()
     if task not in tasks:
         raise ValueError(f"unknown task {task!r}; tasks: {', '.join(tasks)}")
@@ -91,12 +96,20 @@ def make_instance(task: str, tokenizer, length: int, seed: int, chat: bool = Tru
         raise ValueError(f"length must be a positive int, got {length!r}")
     check_haystack(haystack)
     frame = chat_frame(tokenizer) if chat else ("", "")
-    if haystack == "noise":
-        return tasks[task](tokenizer, length, seed, frame)
-    if haystack not in haystacks(task):
-        raise ValueError(f"task {task!r} has no {haystack} haystack (tasks with one: "
-                         f"{', '.join(t for t in tasks if haystack in haystacks(t))})")
-    return tasks[task](tokenizer, length, seed, frame, haystack=haystack)
+    kwargs = {}
+    if haystack != "noise":
+        if haystack not in haystacks(task):
+            raise ValueError(f"task {task!r} has no {haystack} haystack (tasks with one: "
+                             f"{', '.join(t for t in tasks if haystack in haystacks(t))})")
+        kwargs["haystack"] = haystack
+    for redraw in range(MAX_REDRAWS):
+        try:
+            inst = tasks[task](tokenizer, length, seed, frame, redraw=redraw, **kwargs)
+        except Ambiguous:
+            continue
+        inst.redraw = redraw
+        return inst
+    raise RuntimeError(f"{task} seed {seed}: {MAX_REDRAWS} draws in a row came out ambiguous")
 
 
 __all__ = ["HAYSTACKS", "Instance", "haystacks", "make_instance", "postprocess", "string_match_all", "task_names"]

@@ -9,7 +9,8 @@
          replaced by '...' noise. Answer: the three most frequent coded words.
 
 The haystack is cut to hit the length exactly, so the answers of cwe and fwe are counted on the
-text that is really in the prompt (and checked to be unambiguous).
+text that is really in the prompt and checked to be unambiguous; an ambiguous draw is drawn again
+from the seed's next sub-seed (fitting.Ambiguous).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import string
 from collections import Counter
 
 from . import Instance
-from .fitting import encode_head, encode_tail, fit, frame_text, rng_for, word_list
+from .fitting import Ambiguous, encode_head, encode_tail, fit, frame_text, rng_for, word_list
 from .niah import NOISE
 
 VT_INSTRUCTION = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
@@ -59,8 +60,8 @@ def vt_body(tokenizer, rng, length: int, hops: int, letters: int, head: list[int
     return f, names, value
 
 
-def vt_task(tokenizer, length: int, seed: int, frame, hops: int = 4) -> Instance:
-    rng = rng_for("vt", seed)
+def vt_task(tokenizer, length: int, seed: int, frame, hops: int = 4, redraw: int = 0) -> Instance:
+    rng = rng_for("vt", seed, redraw)
     answer = VT_ANSWER.format(n=hops + 1, query="{query}")
     # RULER's worked example (500 tokens; short prompts get a quarter of their length): the task
     # without the chat turn, answered, then the real task
@@ -109,8 +110,8 @@ def numbered(words: list[str]) -> list[str]:
     return [f"{i + 1}. {w} " for i, w in enumerate(words)]
 
 
-def cwe_task(tokenizer, length: int, seed: int, frame, n_cw: int = 10) -> Instance:
-    rng = rng_for("cwe", seed)
+def cwe_task(tokenizer, length: int, seed: int, frame, n_cw: int = 10, redraw: int = 0) -> Instance:
+    rng = rng_for("cwe", seed, redraw)
     pool = word_pool(rng)
     freq_cw, freq_ucw, example_size = (30, 3, (40, 10, 3)) if length >= 4096 else (6, 1, (20, 3, 1))
     ex_words, ex_common = cwe_list(rng, pool, example_size[0], n_cw, example_size[1], example_size[2])
@@ -123,7 +124,7 @@ def cwe_task(tokenizer, length: int, seed: int, frame, n_cw: int = 10) -> Instan
     # grow the list until it overfills the room a little; fit() cuts the last entries
     room, n_words = length - len(head) - len(tail), n_cw + 8
     while True:
-        words, common = cwe_list(rng_for("cwe-list", seed), pool, n_words, n_cw, freq_cw, freq_ucw)
+        words, common = cwe_list(rng_for("cwe-list", seed, redraw), pool, n_words, n_cw, freq_cw, freq_ucw)
         entries = numbered(words)
         if token_count(tokenizer, entries) >= room or n_words == len(pool):
             break
@@ -135,15 +136,16 @@ def cwe_task(tokenizer, length: int, seed: int, frame, n_cw: int = 10) -> Instan
     top = sorted(common, key=lambda w: -counts[w])
     least_common = counts[top[-1]]
     if any(c >= least_common for w, c in counts.items() if w not in common):
-        raise RuntimeError(f"cwe seed {seed}: cutting the list made the answer ambiguous")
+        raise Ambiguous(f"cwe seed {seed} redraw {redraw}: cutting the list made the answer ambiguous")
     return Instance("cwe", seed, length, f.ids, common, 120, query="10 most common words")
 
 
 # -- frequent words ------------------------------------------------------------------------------
 
 
-def fwe_task(tokenizer, length: int, seed: int, frame, alpha: float = 2.0, max_new_tokens: int = 50) -> Instance:
-    rng = rng_for("fwe", seed)
+def fwe_task(tokenizer, length: int, seed: int, frame, alpha: float = 2.0, max_new_tokens: int = 50,
+             redraw: int = 0) -> Instance:
+    rng = rng_for("fwe", seed, redraw)
     head_text, tail = frame_text(frame, FWE_INSTRUCTION, FWE_QUESTION, FWE_ANSWER)
     head, tail = encode_head(tokenizer, head_text), encode_tail(tokenizer, tail)
     room = max(1, length - len(head) - len(tail))
@@ -166,7 +168,7 @@ def fwe_task(tokenizer, length: int, seed: int, frame, alpha: float = 2.0, max_n
     counts = Counter(words[: f.units_whole])
     ranked = [w for w, _ in counts.most_common() if w != "..."]
     if len(ranked) < 4 or counts[ranked[2]] <= counts[ranked[3]]:
-        raise RuntimeError(f"fwe seed {seed}: the three most frequent words are not unambiguous")
+        raise Ambiguous(f"fwe seed {seed} redraw {redraw}: the three most frequent words are not unambiguous")
     return Instance("fwe", seed, length, f.ids, ranked[:3], max_new_tokens, query="three most frequent words")
 
 

@@ -143,6 +143,13 @@ def word_list(kind: str) -> tuple[str, ...]:
     return tuple(w.strip() for w in words if w.strip() and w.strip() not in bad)
 
 
-def rng_for(task: str, seed: int) -> random.Random:
-    """A generator private to (task, seed): string seeds hash with SHA-512, stable across runs."""
-    return random.Random(f"minikv-{task}-{seed}")
+def rng_for(task: str, seed: int, redraw: int = 0) -> random.Random:
+    """A generator private to (task, seed, redraw): string seeds hash with SHA-512, stable across
+    runs. redraw > 0 is a sub-seed of the seed (see Ambiguous); redraw 0 is the seed's own draw."""
+    return random.Random(f"minikv-{task}-{seed}" + (f"-redraw{redraw}" if redraw else ""))
+
+
+class Ambiguous(Exception):
+    """A generator drew an instance whose answer is not unambiguous (cutting the haystack to the
+    length changed which words are most frequent): make_instance draws it again from the next
+    sub-seed of the same seed, so every seed gives an instance, the same one every time."""

@@ -53,8 +53,8 @@ def niah(name: str, own: str, type_k: str, type_v: str, n_keys: int, n_values: i
     haystack of RULER's task ("noise", which the generator's `haystack` may replace by natural text,
     or "needle": distractor needles)."""
 
-    def generate(tokenizer, length: int, seed: int, frame, haystack: str = "noise") -> Instance:
-        rng = rng_for(name, seed)
+    def generate(tokenizer, length: int, seed: int, frame, haystack: str = "noise", redraw: int = 0) -> Instance:
+        rng = rng_for(name, seed, redraw)
         keys = []
         while len(keys) < max(n_keys, n_queries):
             k = draw(rng, type_k)
@@ -104,11 +104,11 @@ def distractor_units(rng, type_k: str, type_v: str, taken: set):
     return unit
 
 
-def passkey_task(tokenizer, length: int, seed: int, frame, haystack: str = "noise") -> Instance:
+def passkey_task(tokenizer, length: int, seed: int, frame, haystack: str = "noise", redraw: int = 0) -> Instance:
     """The passkey benchmark's prompt, as it builds it (plain text, no chat turn): key drawn from
     the seed, depth drawn from the seed too; with the pydoc haystack, the filler is natural text
     from a place drawn from the seed."""
-    rng = rng_for("passkey", seed)
+    rng = rng_for("passkey", seed, redraw)
     key = passkey.draw_key(rng.randrange(2**31))
     depth = round(rng.random(), 3)
     if haystack == "pydoc":
