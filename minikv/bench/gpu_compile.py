@@ -22,6 +22,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 
 import torch
@@ -41,90 +42,136 @@ CONTEXTS = (4096, 32768)
 PAGE = 16  # tokens per page of the paged policies
 
 
-def _meta(*shape, dtype=torch.float32):
-    return torch.empty(shape, dtype=dtype, device="meta")
-
-
 def _fused(op: str):
     return importlib.import_module(f"minikv.kernels.{op}.fused")
 
 
-# -- one planner per kernel: calls its launcher on meta tensors ----------------------------------
-# planner(hq, hkv, d, dtype, context) -> None; what it launches is recorded
+class Meta:
+    """Tensors with shapes and dtypes and no data: what the compile check plans launches with."""
+
+    device = torch.device("meta")
+
+    def floats(self, *shape, dtype=torch.float32):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    def ints(self, high, *shape, dtype=torch.int64):  # values in [0, high)
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    def full(self, value, *shape, dtype=torch.int64):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    def perm(self, n, k, dtype=torch.int64):  # k distinct values in [0, n)
+        return torch.empty((k,), dtype=dtype, device="meta")
+
+    def bools(self, *shape):
+        return torch.empty(shape, dtype=torch.bool, device="meta")
 
 
-def _dense(hq, hkv, d, dtype, ctx):
-    return _meta(1, hq, d, dtype=dtype), _meta(1, hkv, ctx, d, dtype=dtype), _meta(1, dtype=torch.int64)
+class Random(Meta):
+    """The same tensors with data, on `device` (gpu-check's kernel checks)."""
+
+    def __init__(self, device, seed=0):
+        self.device, self.gen = torch.device(device), torch.Generator().manual_seed(seed)
+
+    def floats(self, *shape, dtype=torch.float32):
+        return torch.randn(shape, generator=self.gen).to(self.device, dtype)
+
+    def ints(self, high, *shape, dtype=torch.int64):
+        return torch.randint(0, high, shape, generator=self.gen).to(self.device, dtype)
+
+    def full(self, value, *shape, dtype=torch.int64):
+        return torch.full(shape, value, dtype=dtype, device=self.device)
+
+    def perm(self, n, k, dtype=torch.int64):
+        return torch.randperm(n, generator=self.gen)[:k].to(self.device, dtype)
+
+    def bools(self, *shape):
+        return (torch.rand(shape, generator=self.gen) < 0.8).to(self.device)
 
 
-def plan_decode_attention(hq, hkv, d, dtype, ctx):
-    q, k, lengths = _dense(hq, hkv, d, dtype, ctx)
-    _fused("decode_attention").decode_attention(q, k, k, lengths)
+# -- one case per kernel: (op, function, arguments) at a geometry, dtype and context --------------
+# The same arguments go to minikv.kernels.<op>.<function> with either backend, and to its fused.py.
 
 
-def plan_attention_relevance(hq, hkv, d, dtype, ctx):
-    q, k, lengths = _dense(hq, hkv, d, dtype, ctx)
-    _fused("attention_relevance").attention_relevance(q, k, k, lengths)
+def case_decode_attention(make, hq, hkv, d, dtype, ctx):
+    k = make.floats(1, hkv, ctx, d, dtype=dtype)
+    return "decode_attention", "decode_attention", (make.floats(1, hq, d, dtype=dtype), k, make.floats(*k.shape, dtype=dtype),
+                                                    make.full(ctx, 1))
 
 
-def plan_gathered_attention(hq, hkv, d, dtype, ctx):
-    q, k, _ = _dense(hq, hkv, d, dtype, ctx)
-    _fused("gathered_attention").gathered_attention(q, k, k, _meta(1, hkv, ctx // 8, dtype=torch.int64))
+def case_attention_relevance(make, hq, hkv, d, dtype, ctx):
+    return "attention_relevance", "attention_relevance", case_decode_attention(make, hq, hkv, d, dtype, ctx)[2]
 
 
-def plan_attention_topk(hq, hkv, d, dtype, ctx):
-    q, k, n_valid = _dense(hq, hkv, d, dtype, ctx)
-    keep = _meta(1, hkv, ctx, dtype=torch.bool)
-    _fused("attention_topk").attention_topk(q, k, _meta(1, hq), n_valid, keep, max(1, ctx // 16))
+def case_gathered_attention(make, hq, hkv, d, dtype, ctx):
+    q, k, v, _ = case_decode_attention(make, hq, hkv, d, dtype, ctx)[2]
+    return "gathered_attention", "gathered_attention", (q, k, v, make.ints(ctx, 1, hkv, ctx // 8))
 
 
-def plan_page_scores(hq, hkv, d, dtype, ctx, codes=False):
+def case_attention_topk(make, hq, hkv, d, dtype, ctx):
+    q, k, _, n_valid = case_decode_attention(make, hq, hkv, d, dtype, ctx)[2]
+    lse = make.floats(1, hq).abs() * 4 + 8  # the order of a decode's lse at these lengths
+    return "attention_topk", "attention_topk", (q, k, lse, n_valid, make.bools(1, hkv, ctx), max(1, ctx // 16))
+
+
+def case_page_scores(make, hq, hkv, d, dtype, ctx, codes=False):
     n = ctx // PAGE
-    q, lo = _meta(1, hq, d, dtype=dtype), _meta(1, hkv, n, d, dtype=dtype)
-    c = _meta(1, hkv, n, PAGE, (d + 3) // 4, dtype=torch.uint8) if codes else None
-    _fused("page_scores").page_scores(q, lo, lo, _meta(1, dtype=torch.int64), min(n, 64), codes=c)
+    mid, half = make.floats(1, hkv, n, d, dtype=dtype), make.floats(1, hkv, n, d, dtype=dtype).abs()
+    c = make.ints(256, 1, hkv, n, PAGE, (d + 3) // 4, dtype=torch.uint8) if codes else None
+    return "page_scores", "page_scores", (make.floats(1, hq, d, dtype=dtype), mid - half, mid + half, make.full(n, 1),
+                                          min(n, 64), d ** -0.5, "softmax_mean", c)
 
 
-def plan_page_scores_codes(hq, hkv, d, dtype, ctx):
-    plan_page_scores(hq, hkv, d, dtype, ctx, codes=True)
+def case_page_scores_codes(make, hq, hkv, d, dtype, ctx):
+    return case_page_scores(make, hq, hkv, d, dtype, ctx, codes=True)
 
 
-def plan_paged_attention(hq, hkv, d, dtype, ctx):
+def case_paged_attention(make, hq, hkv, d, dtype, ctx):
     n = ctx // PAGE
-    pool = _meta(n * hkv, PAGE, hkv, d, dtype=dtype)
-    table = _meta(1, hkv, n, dtype=torch.int32)
-    _fused("paged_attention").paged_attention(_meta(1, hq, d, dtype=dtype), pool, pool, table, table)
+    k = make.floats(n * hkv, PAGE, hkv, d, dtype=dtype)
+    table = make.perm(n * hkv, hkv * n, dtype=torch.int32).reshape(1, hkv, n)
+    return "paged_attention", "paged_attention", (make.floats(1, hq, d, dtype=dtype), k, make.floats(*k.shape, dtype=dtype),
+                                                  table, make.full(PAGE, 1, hkv, n, dtype=torch.int32))
 
 
-def plan_dci_scores(hq, hkv, d, dtype, ctx):
+def case_dci_scores(make, hq, hkv, d, dtype, ctx):
     g, c = hq // hkv, min(ctx, 2048)
-    _fused("dci_scores").dci_scores(_meta(1, g, d, dtype=dtype), _meta(hkv, ctx, d, dtype=dtype),
-                                    _meta(1, dtype=torch.int64), _meta(1, c, dtype=torch.int64),
-                                    _meta(1, g, c, dtype=torch.bool), 64)
+    return "dci_scores", "dci_scores", (make.floats(1, g, d, dtype=dtype), make.floats(hkv, ctx, d, dtype=dtype),
+                                        make.ints(hkv, 1), make.perm(ctx, c).reshape(1, c), make.bools(1, g, c), 64)
 
 
-def plan_page_gather(hq, hkv, d, dtype, ctx):
+def case_page_gather(make, hq, hkv, d, dtype, ctx):
     n = ctx // PAGE
-    src = _meta(n * hkv, 2, PAGE, d, dtype=dtype)
-    _fused("page_gather").page_gather(src, _meta(64, dtype=torch.int64), _meta(64, 2, PAGE, d, dtype=dtype))
+    return "page_gather", "page_gather", (make.floats(n * hkv, 2, PAGE, d, dtype=dtype), make.ints(n * hkv, 64),
+                                          make.floats(64, 2, PAGE, d, dtype=dtype))
 
 
-def plan_page_layout(hq, hkv, d, dtype, ctx):
+def case_page_layout(make, hq, hkv, d, dtype, ctx):
     n = ctx // PAGE
-    pool = _meta(n, PAGE, hkv, d, dtype=dtype)
-    idx = _meta(64, dtype=torch.int64)
-    _fused("page_layout").hnd_to_nhd(_meta(64, 2, PAGE, d, dtype=dtype), pool, pool, idx, idx)
+    m = min(n, 64)  # blocks scattered, to distinct slots
+    pool = make.floats(n, PAGE, hkv, d, dtype=dtype)
+    return "page_layout", "hnd_to_nhd", (make.floats(m, 2, PAGE, d, dtype=dtype), pool,
+                                         make.floats(*pool.shape, dtype=dtype), make.perm(n, m), make.ints(hkv, m))
 
 
-def plan_rope_delta(hq, hkv, d, dtype, ctx):
-    rope = _fused("rope_delta").rope_delta
-    rope(_meta(1, hkv, 1, d, dtype=dtype), _meta(1, dtype=torch.int64), _meta(d // 2))  # a decode step
-    rope(_meta(1, hkv, ctx, d, dtype=dtype), _meta(ctx, dtype=torch.int64), _meta(d // 2))  # a whole cache
+def case_rope_delta(make, hq, hkv, d, dtype, ctx):
+    """A whole cache moved by one delta (a decode step's one token compiles BLOCK_T = 1 besides)."""
+    inv_freq = 10000.0 ** -(torch.arange(0, d, 2, dtype=torch.float32) / d)
+    return "rope_delta", "rope_delta", (make.floats(1, hkv, ctx, d, dtype=dtype), make.ints(ctx, ctx),
+                                        inv_freq.to(make.device))
 
 
-PLANNERS = {name[len("plan_"):]: fn for name, fn in globals().items() if name.startswith("plan_")
-            and name != "plan_page_scores_codes"}
-PLANNERS["page_scores_codes"] = plan_page_scores_codes
+CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
+
+
+# a few representative configurations per kernel, the default run's compile test (tests/kernels/test_compile.py):
+# (kernel, geometry, dtype, context, arch)
+SAMPLE = [("decode_attention", "Llama-3-8B", "bfloat16", 4096, 80), ("decode_attention", "Llama-3-8B", "bfloat16", 4096, 90),
+          ("attention_relevance", "Qwen2.5-Coder-0.5B", "float16", 4096, 90),
+          ("attention_topk", "Qwen2.5-Coder-0.5B", "float16", 32768, 90), ("page_scores", "SmolLM2", "bfloat16", 32768, 80),
+          ("gathered_attention", "odd-D80-G7", "bfloat16", 4096, 90), ("paged_attention", "Qwen2.5-7B", "bfloat16", 4096, 90),
+          ("dci_scores", "SmolLM2", "float32", 4096, 90), ("page_gather", "SmolLM2", "bfloat16", 4096, 90),
+          ("page_layout", "SmolLM2", "float16", 4096, 90), ("rope_delta", "Llama-3-8B", "bfloat16", 4096, 90)]
 
 
 def contexts_for(kernel: str) -> tuple[int, ...]:
@@ -213,38 +260,42 @@ def compile_one(fn, arguments: dict, options: dict, arch: int) -> dict:
 
 def plan(kernel: str, geometry: str, dtype: str, context: int, arch: int) -> list:
     """The launches of `kernel` at this configuration, planned for sm_<arch>."""
-    hq, hkv, d = GEOMETRIES[geometry]
+    op, function, args = CASES[kernel](Meta(), *GEOMETRIES[geometry], DTYPES[dtype], context)
     launches = []
     target = configs.Target(arch, configs.SM_COUNT.get(arch, 132), interpreted=False)
     with configs.compiling_for(target), recording(launches):
-        PLANNERS[kernel](hq, hkv, d, DTYPES[dtype], context)
+        getattr(_fused(op), function)(*args)
+        if kernel == "rope_delta":  # and a decode step's one token
+            getattr(_fused(op), function)(args[0][:, :, :1], args[1][:1], args[2])
     return launches
 
 
-def check(kernels, geometries, dtypes, archs, out=sys.stdout) -> list[dict]:
+def configurations(kernels, geometries, dtypes, archs, contexts=None):
+    """(kernel, geometry, dtype, context, arch) of every combination (contexts: contexts_for's)."""
+    return [(k, g, d, c, a) for k in kernels for g in geometries for d in dtypes
+            for c in contexts or contexts_for(k) for a in archs]
+
+
+def check(configs_, out=sys.stdout) -> list[dict]:
     """Compile every distinct launch of these configurations; one row each (rows of launches
     already compiled with the same specialisation are not repeated)."""
     rows, seen = [], set()
-    for kernel in kernels:
-        for geometry in geometries:
-            for dtype in dtypes:
-                for context in contexts_for(kernel):
-                    for arch in archs:
-                        for fn, grid, arguments, options in plan(kernel, geometry, dtype, context, arch):
-                            key = (fn.__name__, fn.fn.__module__, repr(specialise(fn, arguments)),
-                                   repr(sorted(options.items())), arch)
-                            if key in seen:
-                                continue
-                            seen.add(key)
-                            row = {"kernel": kernel, "function": fn.__name__, "geometry": geometry,
-                                   "dtype": dtype, "context": context, "arch": arch,
-                                   "limit": configs.SMEM_LIMIT[arch], "grid_ok": grid_ok(grid),
-                                   "config": {k: v for k, v in arguments.items() if k.startswith("BLOCK_")}
-                                   | options}
-                            row |= compile_one(fn, arguments, options, arch)
-                            row["ok"] = "error" not in row and row["shared"] <= row["limit"] and row["grid_ok"]
-                            rows.append(row)
-                            print(format_row(row), file=out, flush=True)
+    for kernel, geometry, dtype, context, arch in configs_:
+        for fn, grid, arguments, options in plan(kernel, geometry, dtype, context, arch):
+            key = (fn.__name__, fn.fn.__module__, repr(specialise(fn, arguments)),
+                   repr(sorted(options.items())), arch)
+            if key in seen:
+                continue
+            seen.add(key)
+            row = {"kernel": kernel, "function": fn.__name__, "geometry": geometry,
+                   "dtype": dtype, "context": context, "arch": arch,
+                   "limit": configs.SMEM_LIMIT[arch], "grid_ok": grid_ok(grid),
+                   "config": {k: v for k, v in arguments.items() if k.startswith("BLOCK_")}
+                   | options}
+            row |= compile_one(fn, arguments, options, arch)
+            row["ok"] = "error" not in row and row["shared"] <= row["limit"] and row["grid_ok"]
+            rows.append(row)
+            print(format_row(row), file=out, flush=True)
     return rows
 
 
@@ -263,14 +314,17 @@ def format_row(r: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m minikv.bench.gpu_compile", description=__doc__)
     p.add_argument("--arch", type=int, action="append", choices=sorted(configs.SMEM_LIMIT))
-    p.add_argument("--kernel", action="append", choices=sorted(PLANNERS))
+    p.add_argument("--kernel", action="append", choices=sorted(CASES))
     p.add_argument("--geometry", action="append", choices=list(GEOMETRIES))
     p.add_argument("--dtype", action="append", choices=list(DTYPES))
+    p.add_argument("--context", type=int, action="append", help="contexts in tokens (default: contexts_for)")
+    p.add_argument("--sample", action="store_true", help="only SAMPLE's configurations (the default run's test)")
     p.add_argument("--json", default=None, metavar="FILE")
     args = p.parse_args(argv)
     print(HEADER, flush=True)
-    rows = check(args.kernel or sorted(PLANNERS), args.geometry or list(GEOMETRIES), args.dtype or list(DTYPES),
-                 args.arch or [80, 90])
+    rows = check(SAMPLE if args.sample else configurations(
+        args.kernel or sorted(CASES), args.geometry or list(GEOMETRIES), args.dtype or list(DTYPES),
+        args.arch or [80, 90], args.context))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows}, f, indent=1)
@@ -282,6 +336,8 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default, said without its warning
+    # a fresh cache: a cached kernel skips ptxas, whose report gives registers and spills
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="minikv-gpu-compile-")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("error: the compile check needs TRITON_INTERPRET=0 (it compiles; the interpreter cannot)")
     sys.exit(main())

@@ -122,17 +122,22 @@ def decode_attention(group: int, head_dim: int, dtype: torch.dtype, arch: int) -
                   num_warps=4 if block_d <= 64 else 8, num_stages=2 if wide <= 512 else 1)
 
 
+def gathered_attention(group: int, head_dim: int, dtype: torch.dtype, arch: int) -> Config:
+    """decode_attention's tiles at half the keys: each slot's index is one more register a key."""
+    cfg = decode_attention(group, head_dim, dtype, arch)
+    return Config({**cfg.blocks, "BLOCK_N": max(16, cfg.blocks["BLOCK_N"] // 2)}, cfg.num_warps, cfg.num_stages)
+
+
 def attention_relevance(q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, arch: int) -> Config:
     """All query heads of a row in one (BLOCK_H, BLOCK_D) tile, against BLOCK_N keys of every KV
     head per step (the relevance of Eq. 2 needs all heads). Each step loads kv_heads key tiles
-    and as many value tiles: their bytes bound BLOCK_N, and with many KV heads in float32 the
-    loop runs unpipelined (one stage)."""
+    and as many value tiles: in float32 (an "ieee" dot on CUDA cores, its operands in registers)
+    at D >= 128, 16 keys a step, unpipelined (num_stages 1: 2 stages of 8 KV heads' tiles would
+    not fit in shared memory)."""
     block_d = pow2(head_dim)
-    tile = kv_heads * block_d * _itemsize(dtype)  # bytes of one slot across KV heads
-    block_n = 32 if tile <= 2048 else 16
-    stages = 2 if tile * block_n <= 32768 else 1
-    return Config(dict(BLOCK_H=pow2(q_heads), BLOCK_N=block_n, BLOCK_D=block_d),
-                  num_warps=4 if block_d <= 64 else 8, num_stages=stages)
+    wide = _itemsize(dtype) == 4 and block_d >= 128
+    return Config(dict(BLOCK_H=pow2(q_heads), BLOCK_N=16 if wide else 32, BLOCK_D=block_d),
+                  num_warps=4 if block_d <= 64 else 8, num_stages=1 if wide or kv_heads * block_d > 512 else 2)
 
 
 def attention_topk_pooled(group: int, head_dim: int, dtype: torch.dtype, arch: int) -> Config:
@@ -170,9 +175,10 @@ def paged_attention(group: int, page: int, head_dim: int, dtype: torch.dtype, ar
 
 
 def dci_scores(group: int, candidates: int, head_dim: int, arch: int) -> Config:
-    """Candidate keys in blocks of BLOCK_C (16, 32 or 64: three variants)."""
+    """Candidate keys in blocks of BLOCK_C (16, 32 or 64: three variants). The product is a
+    float32 "ieee" dot (no tensor cores), whose operands take registers: 8 warps."""
     return Config(dict(BLOCK_G=pow2(group), BLOCK_C=min(64, pow2(candidates)), BLOCK_D=pow2(head_dim)),
-                  num_warps=4, num_stages=2)
+                  num_warps=8, num_stages=2)
 
 
 def merge(splits: int, head_dim: int, arch: int) -> Config:

@@ -90,7 +90,7 @@ def launch(q, k, v, index, scale=None, return_lse=False, split_len=None, block_n
     block_n None: the launch configuration's, kernels/launch.py)."""
     B, Hq, Hkv, D = check_dense_kv(q, k, v, index, block_n=block_n)
     target = configs.target(q.device)
-    cfg = configs.decode_attention(Hq // Hkv, D, q.dtype, target.arch)
+    cfg = configs.gathered_attention(Hq // Hkv, D, q.dtype, target.arch)
     if block_n is not None:
         cfg = configs.Config({**cfg.blocks, "BLOCK_N": block_n}, cfg.num_warps, cfg.num_stages)
     block_n = cfg.blocks["BLOCK_N"]
