@@ -31,7 +31,7 @@ import torch
 from ..kernels import launch as configs
 from ..kernels._testing import REL_RMS, relative_rms
 from .common import print_table, write_json
-from .gpu_compile import CASES, DTYPES, GEOMETRIES, Random
+from .gpu_cases import CASES, DTYPES, GEOMETRIES, Random
 
 COMMAND = "gpu-check"
 POLICIES = ("full", "streaming", "softfreeze", "softfreeze:score=raw", "softfreeze:score=relative",

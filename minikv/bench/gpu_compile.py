@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import inspect
 import io
 import json
@@ -25,144 +24,11 @@ import sys
 import tempfile
 import time
 
-import torch
-
 from minikv.kernels import launch as configs
 
-GEOMETRIES = {  # name: (query heads, KV heads, head dim)
-    "SmolLM2": (9, 3, 64),
-    "Qwen2.5-Coder-0.5B": (14, 2, 64),
-    "Llama-3-8B": (32, 8, 128),
-    "Qwen2.5-7B": (28, 4, 128),
-    "odd-D80-G7": (21, 3, 80),
-    "Gemma-2-2B": (8, 4, 256),  # D 256: the widest head dim minikv's kernels take
-}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from .gpu_cases import CASES, DTYPES, GEOMETRIES, PAGE, Meta, fused_module
+
 CONTEXTS = (4096, 32768)
-PAGE = 16  # tokens per page of the paged policies
-
-
-def _fused(op: str):
-    return importlib.import_module(f"minikv.kernels.{op}.fused")
-
-
-class Meta:
-    """Tensors with shapes and dtypes and no data: what the compile check plans launches with."""
-
-    device = torch.device("meta")
-
-    def floats(self, *shape, dtype=torch.float32):
-        return torch.empty(shape, dtype=dtype, device="meta")
-
-    def ints(self, high, *shape, dtype=torch.int64):  # values in [0, high)
-        return torch.empty(shape, dtype=dtype, device="meta")
-
-    def full(self, value, *shape, dtype=torch.int64):
-        return torch.empty(shape, dtype=dtype, device="meta")
-
-    def perm(self, n, k, dtype=torch.int64):  # k distinct values in [0, n)
-        return torch.empty((k,), dtype=dtype, device="meta")
-
-    def bools(self, *shape):
-        return torch.empty(shape, dtype=torch.bool, device="meta")
-
-
-class Random(Meta):
-    """The same tensors with data, on `device` (gpu-check's kernel checks)."""
-
-    def __init__(self, device, seed=0):
-        self.device, self.gen = torch.device(device), torch.Generator().manual_seed(seed)
-
-    def floats(self, *shape, dtype=torch.float32):
-        return torch.randn(shape, generator=self.gen).to(self.device, dtype)
-
-    def ints(self, high, *shape, dtype=torch.int64):
-        return torch.randint(0, high, shape, generator=self.gen).to(self.device, dtype)
-
-    def full(self, value, *shape, dtype=torch.int64):
-        return torch.full(shape, value, dtype=dtype, device=self.device)
-
-    def perm(self, n, k, dtype=torch.int64):
-        return torch.randperm(n, generator=self.gen)[:k].to(self.device, dtype)
-
-    def bools(self, *shape):
-        return (torch.rand(shape, generator=self.gen) < 0.8).to(self.device)
-
-
-# -- one case per kernel: (op, function, arguments) at a geometry, dtype and context --------------
-# The same arguments go to minikv.kernels.<op>.<function> with either backend, and to its fused.py.
-
-
-def case_decode_attention(make, hq, hkv, d, dtype, ctx):
-    k = make.floats(1, hkv, ctx, d, dtype=dtype)
-    return "decode_attention", "decode_attention", (make.floats(1, hq, d, dtype=dtype), k, make.floats(*k.shape, dtype=dtype),
-                                                    make.full(ctx, 1))
-
-
-def case_attention_relevance(make, hq, hkv, d, dtype, ctx):
-    return "attention_relevance", "attention_relevance", case_decode_attention(make, hq, hkv, d, dtype, ctx)[2]
-
-
-def case_gathered_attention(make, hq, hkv, d, dtype, ctx):
-    q, k, v, _ = case_decode_attention(make, hq, hkv, d, dtype, ctx)[2]
-    return "gathered_attention", "gathered_attention", (q, k, v, make.ints(ctx, 1, hkv, ctx // 8))
-
-
-def case_attention_topk(make, hq, hkv, d, dtype, ctx):
-    q, k, _, n_valid = case_decode_attention(make, hq, hkv, d, dtype, ctx)[2]
-    lse = make.floats(1, hq).abs() * 4 + 8  # the order of a decode's lse at these lengths
-    return "attention_topk", "attention_topk", (q, k, lse, n_valid, make.bools(1, hkv, ctx), max(1, ctx // 16))
-
-
-def case_page_scores(make, hq, hkv, d, dtype, ctx, codes=False):
-    n = ctx // PAGE
-    mid, half = make.floats(1, hkv, n, d, dtype=dtype), make.floats(1, hkv, n, d, dtype=dtype).abs()
-    c = make.ints(256, 1, hkv, n, PAGE, (d + 3) // 4, dtype=torch.uint8) if codes else None
-    return "page_scores", "page_scores", (make.floats(1, hq, d, dtype=dtype), mid - half, mid + half, make.full(n, 1),
-                                          min(n, 64), d ** -0.5, "softmax_mean", c)
-
-
-def case_page_scores_codes(make, hq, hkv, d, dtype, ctx):
-    return case_page_scores(make, hq, hkv, d, dtype, ctx, codes=True)
-
-
-def case_paged_attention(make, hq, hkv, d, dtype, ctx):
-    n = ctx // PAGE
-    k = make.floats(n * hkv, PAGE, hkv, d, dtype=dtype)
-    table = make.perm(n * hkv, hkv * n, dtype=torch.int32).reshape(1, hkv, n)
-    return "paged_attention", "paged_attention", (make.floats(1, hq, d, dtype=dtype), k, make.floats(*k.shape, dtype=dtype),
-                                                  table, make.full(PAGE, 1, hkv, n, dtype=torch.int32))
-
-
-def case_dci_scores(make, hq, hkv, d, dtype, ctx):
-    g, c = hq // hkv, min(ctx, 2048)
-    return "dci_scores", "dci_scores", (make.floats(1, g, d, dtype=dtype), make.floats(hkv, ctx, d, dtype=dtype),
-                                        make.ints(hkv, 1), make.perm(ctx, c).reshape(1, c), make.bools(1, g, c), 64)
-
-
-def case_page_gather(make, hq, hkv, d, dtype, ctx):
-    n = ctx // PAGE
-    return "page_gather", "page_gather", (make.floats(n * hkv, 2, PAGE, d, dtype=dtype), make.ints(n * hkv, 64),
-                                          make.floats(64, 2, PAGE, d, dtype=dtype))
-
-
-def case_page_layout(make, hq, hkv, d, dtype, ctx):
-    n = ctx // PAGE
-    m = min(n, 64)  # blocks scattered, to distinct slots
-    pool = make.floats(n, PAGE, hkv, d, dtype=dtype)
-    return "page_layout", "hnd_to_nhd", (make.floats(m, 2, PAGE, d, dtype=dtype), pool,
-                                         make.floats(*pool.shape, dtype=dtype), make.perm(n, m), make.ints(hkv, m))
-
-
-def case_rope_delta(make, hq, hkv, d, dtype, ctx):
-    """A whole cache moved by one delta (a decode step's one token compiles BLOCK_T = 1 besides)."""
-    inv_freq = 10000.0 ** -(torch.arange(0, d, 2, dtype=torch.float32) / d)
-    return "rope_delta", "rope_delta", (make.floats(1, hkv, ctx, d, dtype=dtype), make.ints(ctx, ctx),
-                                        inv_freq.to(make.device))
-
-
-CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
-
 
 # a few representative configurations per kernel, the default run's compile test (tests/kernels/test_compile.py):
 # (kernel, geometry, dtype, context, arch)
@@ -264,9 +130,9 @@ def plan(kernel: str, geometry: str, dtype: str, context: int, arch: int) -> lis
     launches = []
     target = configs.Target(arch, configs.SM_COUNT.get(arch, 132), interpreted=False)
     with configs.compiling_for(target), recording(launches):
-        getattr(_fused(op), function)(*args)
+        getattr(fused_module(op), function)(*args)
         if kernel == "rope_delta":  # and a decode step's one token
-            getattr(_fused(op), function)(args[0][:, :, :1], args[1][:1], args[2])
+            getattr(fused_module(op), function)(args[0][:, :, :1], args[1][:1], args[2])
     return launches
 
 
@@ -311,6 +177,27 @@ def format_row(r: dict) -> str:
             f"{r.get('spill_bytes', '-'):>7} {r['compile_s']:>9.1f}  {status}")
 
 
+def summary(rows: list[dict]) -> str:
+    """A Markdown table, one line per (kernel, function, dtype, arch): its launches' worst shared
+    memory, registers and spills over the geometries and contexts, and where the worst spill is."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["kernel"], r["function"], r["dtype"], r["arch"]), []).append(r)
+    lines = ["| kernel | function | dtype | sm | launches | shared B, max | limit B | registers, max | "
+             "spill B, max | worst spill at | compile s |", "|" + " --- |" * 11]
+    for (kernel, function, dtype, arch), rs in groups.items():
+        done = [r for r in rs if "error" not in r]
+        worst = max(done, key=lambda r: r["spill_bytes"], default=None)
+        where = f"{worst['geometry']} {worst['context']}" if worst and worst["spill_bytes"] else "-"
+        failed = len(rs) - len(done)
+        lines.append(f"| {kernel} | {function} | {dtype} | {arch} | {len(rs)}{f' ({failed} FAILED)' if failed else ''} "
+                     f"| {max((r['shared'] for r in done), default='-')} | {rs[0]['limit']} "
+                     f"| {max((r['registers'] or 0 for r in done), default='-')} "
+                     f"| {max((r['spill_bytes'] for r in done), default='-')} | {where} "
+                     f"| {sum(r['compile_s'] for r in rs):.0f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m minikv.bench.gpu_compile", description=__doc__)
     p.add_argument("--arch", type=int, action="append", choices=sorted(configs.SMEM_LIMIT))
@@ -329,6 +216,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"rows": rows}, f, indent=1)
     bad = [r for r in rows if not r["ok"]]
+    print("\n" + summary(rows) + "\n")
     print(f"{len(rows)} compiled, {len(bad)} failed or over shared memory, "
           f"{sum(r.get('spill_bytes', 0) > 0 for r in rows)} with spills", flush=True)
     return 1 if bad else 0

@@ -27,9 +27,10 @@ def decode_logits(model, ids, spec, device, steps=6):
 
 @pytest.mark.parametrize("spec", [
     "full",
-    # a low tau freezes tokens within these few steps: the scores decide, not the window alone
-    "softfreeze:window=4,tau=0.5,score=raw",
-    "softfreeze:window=4,tau=0.5,score=relative",
+    # tau 1 and softness 0.5 freeze about half of the tokens outside the window within these few
+    # steps (not all: the scores decide which)
+    "softfreeze:window=4,tau=1,softness=0.5,score=raw",
+    "softfreeze:window=4,tau=1,softness=0.5,score=relative",
 ])
 def test_triton_backend_decodes_as_eager(spec, device):
     from minikv.models.llama import LlamaForCausalLM
@@ -43,4 +44,4 @@ def test_triton_backend_decodes_as_eager(spec, device):
         triton, policy = decode_logits(model, ids, f"{spec}{sep}backend=triton", device)
     torch.testing.assert_close(triton, eager, rtol=1e-4, atol=1e-4)
     if spec.startswith("softfreeze"):
-        assert policy.stats()["compression"] > 0, policy.stats()  # tokens were frozen
+        assert policy.stats()["freezes"] > 0, policy.stats()
