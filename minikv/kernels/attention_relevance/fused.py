@@ -67,7 +67,7 @@ def _partial_kernel(
         n_ok = n < end
         kv_mask = n_ok[:, None] & d_ok[None, :]
         raw = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)  # q_h . k_j^(h), unscaled
-        for j in tl.static_range(HKV):
+        for j in range(HKV):  # a loop, not unrolled: one KV head's tile live at a time
             # other=0: slots past the length hold garbage, maybe NaN, and 0 * NaN is NaN
             kj = tl.load(k_base + j * skh + n[:, None].to(tl.int64) * skl + d[None, :], mask=kv_mask, other=0.0)
             raw += tl.where((group_of == j)[:, None], _dot(q, tl.trans(kj), DOT_PRECISION, UPCAST_DOT), 0.0)
@@ -81,7 +81,7 @@ def _partial_kernel(
         p = tl.exp2(scores - m_new[:, None])  # (BLOCK_H, BLOCK_N)
         l = l * alpha + tl.sum(p, axis=1)
         pv = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        for j in tl.static_range(HKV):
+        for j in range(HKV):  # a loop, not unrolled: one KV head's tile live at a time
             vj = tl.load(v_base + j * svh + n[:, None].to(tl.int64) * svl + d[None, :], mask=kv_mask, other=0.0)
             # p rounded to the cache dtype for the tensor cores, as flash attention does
             pv += tl.where((group_of == j)[:, None], _dot(p.to(vj.dtype), vj, DOT_PRECISION, UPCAST_DOT), 0.0)
