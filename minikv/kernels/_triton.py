@@ -26,7 +26,7 @@ def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision=PRECISION)
 
 
-@triton.jit(do_not_specialize=["S"])
+@triton.jit(do_not_specialize=["S", "slb", "slh"])  # split counts: no recompile as they change
 def _merge_kernel(
     o_part_ptr, lse_part_ptr, out_ptr, lse_ptr,
     S, sob, soh, sos, slb, slh, s_out_b, s_out_h,

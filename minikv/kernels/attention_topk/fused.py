@@ -27,7 +27,8 @@ from .._triton import dot as _dot
 from .reference import stable_topk
 
 
-@triton.jit(do_not_specialize=["L_cap"])
+# lengths, and strides that follow them: no recompile as they grow (kernels/launch.py)
+@triton.jit(do_not_specialize=["L_cap", "seb", "seh", "ssb", "ssh"])
 def _pooled_kernel(
     q_ptr, k_ptr, lse_ptr, n_valid_ptr, keep_ptr, scores_ptr,
     qk_scale, L_cap,
@@ -64,7 +65,7 @@ def _pooled_kernel(
     tl.store(scores_ptr + b * ssb + m * ssh + n, pooled, mask=n < L_cap)
 
 
-@triton.jit(do_not_specialize=["L_cap", "K"])
+@triton.jit(do_not_specialize=["L_cap", "K", "ssb", "ssh", "sib", "sih"])
 def _topk_kernel(scores_ptr, index_ptr, L_cap, K, ssb, ssh, sib, sih, BLOCK_L: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     m = tl.program_id(1).to(tl.int64)

@@ -18,7 +18,8 @@ from .. import launch as configs
 from .._triton import dot as _dot
 
 
-@triton.jit(do_not_specialize=["C", "K"])  # candidate counts: no recompile as they change
+# counts, and strides that follow them: no recompile as they change (kernels/launch.py)
+@triton.jit(do_not_specialize=["C", "K", "scb", "smb", "smg", "ssb", "ssg", "sbb", "sbg"])
 def _dci_scores_kernel(
     q_ptr, keys_ptr, heads_ptr, cand_ptr, mask_ptr, scores_ptr, best_ptr,
     C, K,

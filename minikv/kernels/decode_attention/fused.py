@@ -23,7 +23,8 @@ from .. import launch as configs
 from .._triton import LN2, LOG2E, check_dense_kv, merge_splits, split_len_for
 from .._triton import dot as _dot
 
-@triton.jit(do_not_specialize=["window", "L_cap", "split_len"])  # lengths: no recompile as they grow
+# lengths, and strides that follow them or the split count: no recompile as they change (kernels/launch.py)
+@triton.jit(do_not_specialize=["window", "L_cap", "split_len", "slb", "slh"])
 def _partial_kernel(
     q_ptr, k_ptr, v_ptr, lengths_ptr, o_ptr, lse_ptr,
     qk_scale,  # softmax scale * log2(e): the softmax runs in base 2, exp2 being the fast one

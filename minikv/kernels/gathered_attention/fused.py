@@ -22,7 +22,8 @@ from .._triton import LN2, LOG2E, check_dense_kv, merge_splits, split_len_for
 from .._triton import dot as _dot
 
 
-@triton.jit(do_not_specialize=["N", "split_len"])  # list lengths: no recompile as they change
+# lengths, and strides that follow them or the split count: no recompile as they change (kernels/launch.py)
+@triton.jit(do_not_specialize=["N", "split_len", "sib", "sih", "slb", "slh"])
 def _partial_kernel(
     q_ptr, k_ptr, v_ptr, idx_ptr, o_ptr, lse_ptr,
     qk_scale, N, split_len,

@@ -24,7 +24,8 @@ from .. import launch as configs
 REDUCE_CODES = {"softmax_mean": 0, "mean": 1, "max": 2}
 
 
-@triton.jit(do_not_specialize=["N", "K"])  # page counts: no recompile as they grow
+# counts, and strides that follow them: no recompile as they grow (kernels/launch.py)
+@triton.jit(do_not_specialize=["N", "K", "ssb", "ssh", "sib", "sih"])
 def _page_scores_kernel(
     q_ptr, lo_ptr, hi_ptr, n_valid_ptr, scores_ptr, index_ptr, codes_ptr,
     scale, N, K,

@@ -19,7 +19,8 @@ from .. import launch as configs
 from .._triton import LN2, LOG2E
 from .._triton import dot as _dot
 
-@triton.jit(do_not_specialize=["N"])  # table lengths: no recompile as they grow
+# table lengths, and strides that follow them: no recompile as they grow (kernels/launch.py)
+@triton.jit(do_not_specialize=["N", "stb", "sth", "slb", "slh"])
 def _paged_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, o_ptr, lse_ptr,
     qk_scale, N,
