@@ -58,3 +58,9 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_line(
             f"{_deselected['count']} slow tests deselected by -m {config.getoption('markexpr')!r} "
             "(pyproject addopts); run them with: python -m pytest -m slow")
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    """The test device: "cuda" when present (Triton kernels run compiled), else "cpu" (interpreted)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -38,7 +38,7 @@ from contextlib import ExitStack
 
 import torch
 
-from ..generate import decode_bandwidth, decode_one_token, generate, weight_bytes_per_step
+from ..generate import decode_bandwidth, decode_one_token, generate, synchronize, weight_bytes_per_step
 from ..policies import make
 from .common import add_common_arguments, load_model, measure_read_bandwidth, print_table, text_ids, write_json
 from .probes import timed
@@ -51,7 +51,8 @@ def add_arguments(p) -> None:
     p.add_argument("--prompt-lengths", type=int, nargs="+", default=[500], help="prompt lengths in tokens")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens to generate per run (default 64)")
     p.add_argument("--repeats", type=int, default=3, help="runs per cell; the median is reported")
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs before measuring")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed runs before measuring (--lockstep: untimed first decode steps)")
     p.add_argument("--lockstep", action="store_true",
                    help="one shared prefill, then every policy decodes step by step in turn (no TTFT per policy)")
     p.add_argument("--png", default=None, metavar="FILE",
@@ -146,9 +147,12 @@ def lockstep_prefill(model, ids: list[int], specs: list[str], new_tokens: int) -
     return policies, [first.argmax(-1) for first in logits]
 
 
-def lockstep_runs(model, ids: list[int], specs: list[str], new_tokens: int) -> dict[str, dict]:
+def lockstep_runs(model, ids: list[int], specs: list[str], new_tokens: int, warmup: int = 1) -> dict[str, dict]:
     """Prefill (lockstep_prefill), then greedy decoding of every policy in lockstep -> {spec: stats}
-    with tpot_s the mean step time, token_ids the new_tokens tokens, and the policy's own stats."""
+    with tpot_s the mean step time, token_ids the new_tokens tokens, and the policy's own stats.
+    The first `warmup` steps are not timed (at least one step is): they compile the kernels of
+    the length's buckets (Triton's JIT, kernels/launch.py) and fill caches."""
+    warmup = min(warmup, new_tokens - 2)
     policies, token = lockstep_prefill(model, ids, specs, new_tokens)
     times = [[] for _ in specs]
     produced = [[int(t)] for t in token]
@@ -159,9 +163,12 @@ def lockstep_runs(model, ids: list[int], specs: list[str], new_tokens: int) -> d
         for step in range(new_tokens - 1):
             position = torch.tensor([len(ids) + step], device=model.device)
             for j, policy in enumerate(policies):
+                synchronize(model.device)
                 t0 = time.perf_counter()
                 out = decode_one_token(model, token[j], position, policy)
-                times[j].append(time.perf_counter() - t0)
+                synchronize(model.device)
+                if step >= warmup:
+                    times[j].append(time.perf_counter() - t0)
                 token[j] = out.argmax(-1)
                 produced[j].append(int(token[j]))
     found = {}
@@ -184,7 +191,7 @@ def run(args) -> int:
         ids = text_ids(tokenizer, n)
         if args.lockstep:
             print(f"prompt {n}: lockstep", file=sys.stderr)
-            found = lockstep_runs(model, ids, policies, args.new_tokens)
+            found = lockstep_runs(model, ids, policies, args.new_tokens, args.warmup)
             runs = {policy: [found[policy]] for policy in policies}
         else:
             runs = {policy: [] for policy in policies}

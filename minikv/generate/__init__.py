@@ -110,6 +110,13 @@ def tokens_progress(progress, n_tokens: int):
     return lambda layer, n_layers: progress(round(n_tokens * layer / n_layers), n_tokens)
 
 
+def synchronize(device) -> None:
+    """Wait for the device's queued work, so that a timer read after it counts that work (CUDA
+    runs kernels asynchronously; a no-op on the CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def decode_one_token(model, token: torch.Tensor, position: torch.Tensor, policy: Policy) -> torch.Tensor:
     # token (B,), position (B,) -> logits (B, V)
     return model(token[:, None], positions=position[:, None], policy=policy, logits_at=torch.zeros_like(token))
@@ -135,8 +142,10 @@ def decode_n_tokens(model, logits, lengths, policy, n, eos_ids, sampling, genera
                     done[b] = True
         if bool(done.all()):
             return out, step_times
+        synchronize(logits.device)
         t0 = time.perf_counter()
         logits = decode_one_token(model, next_token, position, policy)
+        synchronize(logits.device)
         step_times.append(time.perf_counter() - t0)
         position = position + 1
         next_token = sample(logits, *sampling, generator=generator)
@@ -261,11 +270,14 @@ def _generate(model, tokenizer, policy, prompts, batched, max_new_tokens, sampli
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     eos_ids = set(tokenizer.eos_ids) if stop_at_eos else set()
 
+    synchronize(device)
     t0 = time.perf_counter()
     logits = prefill(model, ids, lengths, policy, progress)
+    synchronize(device)
     ttft = time.perf_counter() - t0
     new, step_times = decode_n_tokens(model, logits, lengths, policy, max_new_tokens, eos_ids, sampling,
                                       generator, on_token)
+    synchronize(device)
     total = time.perf_counter() - t0
     stats = generation_stats(policy, prompts, new, ttft, step_times, total, model)
     texts = [tokenizer.decode([t for t in row if t not in eos_ids]) for row in new]

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_interpreted
+from . import launch as configs
 
 LOG2E = 1.4426950408889634  # softmaxes run in base 2 (exp2 is the fast one): scale * log2(e)
 LN2 = tl.constexpr(0.6931471805599453)  # and back to natural log for the returned lse
@@ -26,7 +26,7 @@ def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision=PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S", "slb", "slh"])  # split counts: no recompile as they change
 def _merge_kernel(
     o_part_ptr, lse_part_ptr, out_ptr, lse_ptr,
     S, sob, soh, sos, slb, slh, s_out_b, s_out_h,
@@ -52,11 +52,12 @@ def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor
     """o_part (B, Hq, S, D) float32, lse_part (B, Hq, S) -> out (B, Hq, D), lse (B, Hq) float32."""
     B, Hq, S, D = o_part.shape
     assert lse.shape == (B, Hq) and lse.is_contiguous() and out.shape == (B, Hq, D) and out.stride(2) == 1
+    cfg = configs.merge(S, D, configs.target(out.device).arch)
     _merge_kernel[(B, Hq)](
         o_part, lse_part, out, lse,
         S, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         out.stride(0), out.stride(1),
-        Hq, D=D, BLOCK_S=triton.next_power_of_2(S), BLOCK_D=triton.next_power_of_2(D),
+        Hq, D=D, **cfg.kwargs(),
     )
 
 
@@ -72,10 +73,10 @@ def split_len_for(rows: int, n_sm: int, L_cap: int, block_n: int) -> int:
 
 
 def check_dense_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *others: torch.Tensor,
-                   block_n: int) -> tuple[int, int, int, int]:
+                   block_n: int | None = None) -> tuple[int, int, int, int]:
     """The checks of a launcher whose KV is dense per row: q (B, Hq, D), k and v (B, Hkv, L, D),
     Hq a multiple of Hkv, one float dtype, contiguous head dims, every tensor (others too) on one
-    device, CUDA or the interpreter, block_n a power of 2 >= 16 (tl.dot) -> (B, Hq, Hkv, D)."""
+    device, CUDA or the interpreter, block_n (if given) a power of 2 >= 16 (tl.dot) -> (B, Hq, Hkv, D)."""
     assert q.dim() == 3 and k.dim() == 4, f"want q (B, Hq, D), k (B, Hkv, L, D); got {tuple(q.shape)}, {tuple(k.shape)}"
     B, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -86,6 +87,6 @@ def check_dense_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *others: t
     assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), q.dtype
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "the head dim must be contiguous"
     assert all(t.device == q.device for t in (k, v, *others)), "all tensors on one device"
-    assert q.is_cuda or triton_interpreted(), "triton backend: tensors must be on a CUDA device"
-    assert block_n >= 16 and block_n & (block_n - 1) == 0, "block_n: a power of 2 >= 16 (tl.dot)"
+    configs.check_device(configs.target(q.device), q)
+    assert block_n is None or (block_n >= 16 and block_n & (block_n - 1) == 0), "block_n: a power of 2 >= 16 (tl.dot)"
     return B, Hq, Hkv, D

@@ -52,12 +52,12 @@ STATS = {
 
 
 @pytest.fixture(scope="module")
-def gqa3(reference_dir, tmp_path_factory):
+def gqa3(reference_dir, tmp_path_factory, device):
     """reference/models/llama_gqa3 (2 layers, 9 query heads over 3 KV heads, head dim 8) and a
     synckv clustering for it (layer 0 one cluster, layer 1 two)."""
     from minikv.loading import load_model
 
-    model = load_model(reference_dir / "models" / "llama_gqa3", device="cpu", dtype=torch.float32)
+    model = load_model(reference_dir / "models" / "llama_gqa3", device=device, dtype=torch.float32)
     cfg = model.cfg
     layers = [{"clusters": [[0, 1, 2]], "r_heads": [0]}, {"clusters": [[0, 2], [1]], "r_heads": [2, 1]}]
     doc = {"format": FORMAT, "model": {"name": "test", "config_sha256": config_sha256(cfg), "weights_sha256": "-",
@@ -76,17 +76,17 @@ def with_clusters(spec: str, clusters: str) -> str:
 
 def run(model, spec, ids, every_step=None):
     """Prefill PROMPT tokens, decode the rest one by one; logits (steps, V) and the policy."""
-    policy = make(spec).bind(model.cfg, device="cpu", dtype=torch.float32, max_len=ids.shape[1])
+    policy = make(spec).bind(model.cfg, device=model.device, dtype=torch.float32, max_len=ids.shape[1])
     out = [model(ids[:, :PROMPT], policy=policy)[:, -1]]
     for t in range(PROMPT, ids.shape[1]):
-        out.append(model(ids[:, t:t + 1], positions=torch.tensor([[t]]), policy=policy)[:, -1])
+        out.append(model(ids[:, t:t + 1], positions=torch.tensor([[t]], device=model.device), policy=policy)[:, -1])
         if every_step is not None:
             every_step(policy)
     return torch.stack(out), policy
 
 
 def random_ids(model, n=PROMPT + NEW, seed=1):
-    return torch.randint(0, model.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, model.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed)).to(model.device)
 
 
 def test_every_policy_is_in_the_matrix():
@@ -173,7 +173,7 @@ def test_a_size_past_the_context_costs_what_the_default_costs(gqa3, spec, defaul
     ids = random_ids(model, 10)
     allocated = {}
     for s in (spec, default):
-        policy = make(with_clusters(s, clusters)).bind(model.cfg, device="cpu", dtype=torch.float32, max_len=50)
+        policy = make(with_clusters(s, clusters)).bind(model.cfg, device=model.device, dtype=torch.float32, max_len=50)
         model(ids, policy=policy)
         stats = policy.stats()
         allocated[s] = stats["device_bytes_allocated"] + stats["host_bytes_allocated"]
@@ -185,7 +185,7 @@ def test_a_size_past_the_context_costs_what_the_default_costs(gqa3, spec, defaul
 def test_streaming_refuses_a_window_past_the_model_positions(gqa3):
     model, _ = gqa3
     with pytest.raises(ValueError, match="exceeds the model's context"):
-        make("streaming:window=100000").bind(model.cfg, device="cpu", dtype=torch.float32, max_len=50)
+        make("streaming:window=100000").bind(model.cfg, device=model.device, dtype=torch.float32, max_len=50)
 
 
 def test_softness_inf_is_refused_at_once():

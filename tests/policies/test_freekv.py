@@ -214,12 +214,12 @@ def test_impossible_parameters(spec, message):
         make(spec)
 
 
-def test_skip_layers_keep_full_kv():
+def test_skip_layers_keep_full_kv(device):
     policy = make("freekv:page_size=4,budget=24,sink=4,window=8,skip_layers=1").bind(
-        TINY, device="cpu", dtype=torch.float32, max_len=90)
+        TINY, device=device, dtype=torch.float32, max_len=90)
     assert type(policy.layers[0]).__name__ == "FullLayer" and type(policy.layers[1]).__name__ == "FreeKVLayer"
     with pytest.raises(ValueError, match="skip_layers"):
-        make("freekv:skip_layers=3").bind(TINY, device="cpu", dtype=torch.float32, max_len=90)
+        make("freekv:skip_layers=3").bind(TINY, device=device, dtype=torch.float32, max_len=90)
 
 
 def test_smollm2_full_budget_equals_full_and_retrieval_stats(smollm2):

@@ -219,12 +219,12 @@ def test_slot_lengths_equal_page_fills_when_a_recall_only_drops_pages(fov):
     assert any(copied == 0 and emptied for copied, emptied in recalls)  # the path was taken
 
 
-def test_reuse_layers_share_the_anchor_tree_and_selection():
+def test_reuse_layers_share_the_anchor_tree_and_selection(device):
     """IceCache(reuse), reuse_every = 3 after 2 full layers: layers 2 and 5 own trees, 3-4 and 6
     reuse them (same pages, their own KV)."""
     cfg = ModelConfig(**{**TINY.__dict__, "n_layers": 7})
     policy = make("icecache:page_size=4,budget=32,sink=4,window=8,reuse_every=3").bind(
-        cfg, device="cpu", dtype=torch.float32, max_len=200)
+        cfg, device=device, dtype=torch.float32, max_len=200)
     kinds = [type(layer).__name__ for layer in policy.layers]
     assert kinds[:2] == ["FullLayer"] * 2 and set(kinds[2:]) == {"IceCacheLayer"}
     owners = [None if layer.anchor is None else policy.layers.index(layer.anchor) for layer in policy.layers[2:]]

@@ -269,15 +269,15 @@ def test_impossible_parameters(spec, message):
         make(spec)
 
 
-def test_a_model_without_a_clustering_names_the_command(tmp_path):
+def test_a_model_without_a_clustering_names_the_command(tmp_path, device):
     with pytest.raises(ValueError, match="python -m minikv.bench cluster-heads"):
-        make("synckv").bind(TINY, device="cpu", dtype=torch.float32, max_len=40)
+        make("synckv").bind(TINY, device=device, dtype=torch.float32, max_len=40)
     other = write_clusters(tmp_path / "other.json", ModelConfig(**{**TINY.__dict__, "vocab_size": 65}), TINY_CLUSTERS)
     with pytest.raises(ValueError, match="made for another model"):
-        make(f"synckv:wide_layers=0,clusters={other}").bind(TINY, device="cpu", dtype=torch.float32, max_len=40)
+        make(f"synckv:wide_layers=0,clusters={other}").bind(TINY, device=device, dtype=torch.float32, max_len=40)
     with pytest.raises(ValueError, match="no clustering for n_r=2"):
         make(f"synckv:n_r=2,wide_layers=0,clusters={write_clusters(tmp_path / 't.json', TINY, TINY_CLUSTERS)}").bind(
-            TINY, device="cpu", dtype=torch.float32, max_len=40)
+            TINY, device=device, dtype=torch.float32, max_len=40)
 
 
 # -- beyond the paper: uneven N_r over layers ---------------------------------
@@ -331,7 +331,7 @@ def test_wide_layers_take_more_clusters_in_the_least_agreeing_layers(tmp_path, w
         make(f"synckv:wide_layers=1,clusters={path}").bind(TINY, device="cpu", dtype=torch.float32, max_len=40)
 
 
-def test_a_clustering_that_does_not_partition_the_heads_is_refused(tmp_path):
+def test_a_clustering_that_does_not_partition_the_heads_is_refused(tmp_path, device):
     bad = write_clusters(tmp_path / "bad.json", TINY, [TINY_CLUSTERS[0], {"clusters": [[0, 2]], "r_heads": [2]}])
     with pytest.raises(ValueError, match="layer 1's clusters do not partition the KV heads"):
-        make(f"synckv:wide_layers=0,clusters={bad}").bind(TINY, device="cpu", dtype=torch.float32, max_len=40)
+        make(f"synckv:wide_layers=0,clusters={bad}").bind(TINY, device=device, dtype=torch.float32, max_len=40)

@@ -25,11 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import triton_interpreted
+from .. import empty
+from .. import launch as configs
 from .._triton import LN2, LOG2E, check_dense_kv, merge_splits, split_len_for
 from .._triton import dot as _dot
 
-@triton.jit
+# lengths, and strides that follow them or the split count: no recompile as they change (kernels/launch.py)
+@triton.jit(do_not_specialize=["L_cap", "split_len", "slb", "slh", "ssb"])
 def _partial_kernel(
     q_ptr, k_ptr, v_ptr, lengths_ptr, o_ptr, lse_ptr, s_ptr,
     qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
@@ -48,7 +50,7 @@ def _partial_kernel(
     stop = tl.minimum(start + split_len, L_cap)  # this program's slots, valid or not
     end = tl.minimum(stop, length)  # ... and the valid ones
 
-    h = tl.arange(0, BLOCK_H)  # all query heads, padded to >= 16 rows for tl.dot
+    h = tl.arange(0, BLOCK_H).to(tl.int64)  # all query heads (int64: h * sqh may pass 2**31), padded to >= 16 rows for tl.dot
     d = tl.arange(0, BLOCK_D)
     h_ok = h < HQ
     d_ok = d < D
@@ -66,7 +68,7 @@ def _partial_kernel(
         n_ok = n < end
         kv_mask = n_ok[:, None] & d_ok[None, :]
         raw = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)  # q_h . k_j^(h), unscaled
-        for j in tl.static_range(HKV):
+        for j in range(HKV):  # a loop, not unrolled: one KV head's tile live at a time
             # other=0: slots past the length hold garbage, maybe NaN, and 0 * NaN is NaN
             kj = tl.load(k_base + j * skh + n[:, None].to(tl.int64) * skl + d[None, :], mask=kv_mask, other=0.0)
             raw += tl.where((group_of == j)[:, None], _dot(q, tl.trans(kj), DOT_PRECISION, UPCAST_DOT), 0.0)
@@ -80,7 +82,7 @@ def _partial_kernel(
         p = tl.exp2(scores - m_new[:, None])  # (BLOCK_H, BLOCK_N)
         l = l * alpha + tl.sum(p, axis=1)
         pv = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        for j in tl.static_range(HKV):
+        for j in range(HKV):  # a loop, not unrolled: one KV head's tile live at a time
             vj = tl.load(v_base + j * svh + n[:, None].to(tl.int64) * svl + d[None, :], mask=kv_mask, other=0.0)
             # p rounded to the cache dtype for the tensor cores, as flash attention does
             pv += tl.where((group_of == j)[:, None], _dot(p.to(vj.dtype), vj, DOT_PRECISION, UPCAST_DOT), 0.0)
@@ -101,46 +103,44 @@ def _partial_kernel(
     tl.store(lse_ptr + b * slb + h * slh + split, lse, mask=h_ok)
 
 
-def default_split_len(B: int, L_cap: int, device: torch.device, block_n: int) -> int:
+def default_split_len(B: int, L_cap: int, target: configs.Target, block_n: int) -> int:
     """Slots per program (`split_len_for`: at most MAX_SPLITS splits, as decode_attention)."""
-    if triton_interpreted():
+    if target.interpreted:
         return max(L_cap, 1)  # one split: interpreted programs cost time, parallelism buys nothing
-    return split_len_for(B, torch.cuda.get_device_properties(device).multi_processor_count, L_cap, block_n)
+    return split_len_for(B, target.n_sm, L_cap, block_n)
 
 
-def launch(q, k, v, lengths, scale=None, split_len=None, block_n=32):
-    """attention_relevance with the launch parameters exposed (tests use them to force splits)."""
+def launch(q, k, v, lengths, scale=None, split_len=None, block_n=None):
+    """attention_relevance with the launch parameters exposed (tests use them to force splits;
+    block_n None: the launch configuration's, kernels/launch.py)."""
     B, Hq, Hkv, D = check_dense_kv(q, k, v, lengths, block_n=block_n)
     L_cap = k.shape[2]
+    target = configs.target(q.device)
+    cfg = configs.attention_relevance(Hq, Hkv, D, q.dtype, target.arch)
+    if block_n is not None:
+        cfg = configs.Config({**cfg.blocks, "BLOCK_N": block_n}, cfg.num_warps, cfg.num_stages)
+    block_n = cfg.blocks["BLOCK_N"]
     assert lengths.shape == (B,) and not lengths.is_floating_point(), f"lengths must be (B,) int, got {lengths.shape}"
 
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
-    split_len = split_len or default_split_len(B, L_cap, q.device, block_n)
+    split_len = split_len or default_split_len(B, L_cap, target, block_n)
     S = triton.cdiv(L_cap, split_len)
-    # poisoned with NaN under the interpreter, where speed does not matter, so that an element a
-    # program forgets to write fails loudly in the tests
-    fill = float("nan") if triton_interpreted() else None
-    o_part = _empty((B, Hq, S, D), q.device, fill)
-    lse_part = _empty((B, Hq, S), q.device, fill)
-    s = _empty((B, L_cap), q.device, fill)
+    o_part = empty((B, Hq, S, D), torch.float32, q.device)  # NaN under the interpreter: see empty
+    lse_part = empty((B, Hq, S), torch.float32, q.device)
+    s = empty((B, L_cap), torch.float32, q.device)
     _partial_kernel[(B, S)](
         q, k, v, lengths, o_part, lse_part, s,
         scale * LOG2E, 1.0 / Hq, L_cap, split_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1), s.stride(0),
         HQ=Hq, HKV=Hkv, GROUP=Hq // Hkv, D=D,
-        BLOCK_H=max(16, triton.next_power_of_2(Hq)), BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 would cost ~1e-3 on float32
-        UPCAST_DOT=triton_interpreted() and q.dtype == torch.bfloat16,
+        UPCAST_DOT=target.interpreted and q.dtype == torch.bfloat16,
+        **cfg.kwargs(),
     )
     out = torch.empty_like(q)
     merge_splits(o_part, lse_part, out, torch.empty(B, Hq, dtype=torch.float32, device=q.device))
     return out, s
-
-
-def _empty(shape, device, fill):
-    t = torch.empty(shape, dtype=torch.float32, device=device)
-    return t.fill_(fill) if fill is not None else t
 
 
 def attention_relevance(q, k, v, lengths, scale=None):

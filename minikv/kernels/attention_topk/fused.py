@@ -1,13 +1,13 @@
 """A KV head's attention max-pooled over its GQA group, and its top-k tokens: Triton kernels.
 
 Two launches:
-  1. `_pooled_kernel`, grid (B, Hkv, tiles): program (b, m, t) loads the G queries of KV head m's
+  1. `_pooled_kernel`, grid (tiles, B, Hkv): program (t, b, m) loads the G queries of KV head m's
      group and their log-sum-exps once, then one tile of BLOCK_N keys, forms the (BLOCK_G,
      BLOCK_N) scores in one tl.dot, turns them into attention weights exp(s - lse) and keeps the
      largest over the group (App. B.1's max-pool): each key is read once for the whole group.
      Tokens past n_valid or not kept are written as -inf.
   2. `_topk_kernel`, grid (B, Hkv): holds a head's pooled row in one register tile (BLOCK_L =
-     next power of 2 >= L_cap, at most MAX_ROW tokens) and takes k_top rounds of "largest score,
+     L_cap's bucket, kernels/launch.py, at most MAX_ROW tokens) and takes k_top rounds of "largest score,
      lowest token among equals", i.e. a stable descending sort cut at k_top, as the reference.
      A longer row is split into chunks of MAX_ROW tokens, each chunk's top k_top found alone, and
      the chunks' winners, put back in token order, compete again (`row_topk`).
@@ -20,13 +20,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import empty, triton_interpreted
+from .. import empty
+from .. import launch as configs
 from .._triton import LOG2E
 from .._triton import dot as _dot
 from .reference import stable_topk
 
 
-@triton.jit
+# lengths, and strides that follow them: no recompile as they grow (kernels/launch.py)
+@triton.jit(do_not_specialize=["L_cap", "seb", "seh", "ssb", "ssh"])
 def _pooled_kernel(
     q_ptr, k_ptr, lse_ptr, n_valid_ptr, keep_ptr, scores_ptr,
     qk_scale, L_cap,
@@ -36,9 +38,9 @@ def _pooled_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    m = tl.program_id(1).to(tl.int64)
-    tile = tl.program_id(2)
+    tile = tl.program_id(0)  # axis 0: up to 2**31 - 1 tiles (axes 1 and 2 stop at 65,535)
+    b = tl.program_id(1).to(tl.int64)
+    m = tl.program_id(2).to(tl.int64)
     n_valid = tl.minimum(tl.load(n_valid_ptr + b).to(tl.int32), L_cap)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -63,7 +65,7 @@ def _pooled_kernel(
     tl.store(scores_ptr + b * ssb + m * ssh + n, pooled, mask=n < L_cap)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["L_cap", "K", "ssb", "ssh", "sib", "sih"])
 def _topk_kernel(scores_ptr, index_ptr, L_cap, K, ssb, ssh, sib, sih, BLOCK_L: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     m = tl.program_id(1).to(tl.int64)
@@ -89,8 +91,9 @@ def row_topk(scores, k_top, max_row=MAX_ROW):
     B, H, L = scores.shape
     if L <= max_row:
         index = torch.full((B, H, k_top), -7, dtype=torch.int64, device=scores.device)  # -7: never written
+        cfg = configs.row_topk(L, configs.target(scores.device).arch)  # BLOCK_L: L's bucket
         _topk_kernel[(B, H)](scores, index, L, k_top, scores.stride(0), scores.stride(1),
-                             index.stride(0), index.stride(1), BLOCK_L=max(16, triton.next_power_of_2(L)))
+                             index.stride(0), index.stride(1), **cfg.kwargs())
         return index
     if 2 * k_top > max_row:  # the chunks' winners would be no shorter than the row: sort it whole
         return stable_topk(scores, k_top)
@@ -117,21 +120,22 @@ def attention_topk(q, k, lse, n_valid, keep, k_top, scale=None, max_row=MAX_ROW)
     assert q.dtype == k.dtype and q.dtype in (torch.float32, torch.float16, torch.bfloat16), f"{q.dtype}, {k.dtype}"
     assert q.stride(-1) == k.stride(-1) == 1, "the head dim must be contiguous"
     assert q.device == k.device == lse.device == n_valid.device, "all tensors on one device"
-    assert q.is_cuda or triton_interpreted(), "triton backend: tensors must be on a CUDA device"
+    target = configs.target(q.device)
+    configs.check_device(target, q)
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
     scores = empty((B, Hkv, L_cap), torch.float32, q.device)
     G = Hq // Hkv
-    block_n = 64
+    cfg = configs.attention_topk_pooled(G, D, q.dtype, target.arch)
     keep_arg = keep.view(torch.uint8) if keep is not None else scores  # any pointer when unused
-    _pooled_kernel[(B, Hkv, triton.cdiv(L_cap, block_n))](
+    _pooled_kernel[(triton.cdiv(L_cap, cfg.blocks["BLOCK_N"]), B, Hkv)](
         q, k, lse, n_valid, keep_arg, scores,
         scale * LOG2E, L_cap,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), lse.stride(0), lse.stride(1),
         keep.stride(0) if keep is not None else 0, keep.stride(1) if keep is not None else 0,
         scores.stride(0), scores.stride(1),
         GROUP=G, D=D, HAS_KEEP=keep is not None,
-        BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST_DOT=triton_interpreted() and q.dtype == torch.bfloat16,
+        UPCAST_DOT=target.interpreted and q.dtype == torch.bfloat16,
+        **cfg.kwargs(),
     )
     return scores, row_topk(scores, k_top, max_row)

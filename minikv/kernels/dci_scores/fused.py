@@ -14,11 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import triton_interpreted
+from .. import launch as configs
 from .._triton import dot as _dot
 
 
-@triton.jit
+# counts, and strides that follow them: no recompile as they change (kernels/launch.py)
+@triton.jit(do_not_specialize=["C", "K", "scb", "smb", "smg", "ssb", "ssg", "sbb", "sbg"])
 def _dci_scores_kernel(
     q_ptr, keys_ptr, heads_ptr, cand_ptr, mask_ptr, scores_ptr, best_ptr,
     C, K,
@@ -80,10 +81,12 @@ def dci_scores(q, keys, heads, cand, mask, k):
         "the last dims must be contiguous"
     assert heads.is_contiguous(), "heads must be contiguous"
     assert q.device == keys.device == heads.device == cand.device == mask.device, "one device"
+    target = configs.target(q.device)
+    configs.check_device(target, q)
     assert 0 <= k <= C, f"k must be in [0, {C}], got {k}"
     scores = torch.empty((B, G, C), dtype=torch.float32, device=q.device)
     best = torch.empty((B, G, k), dtype=torch.int64, device=q.device)
-    if triton_interpreted():  # poisoned: an unwritten element fails loudly
+    if target.interpreted:  # poisoned: an unwritten element fails loudly
         scores.fill_(float("nan"))
         best.fill_(-7)
     m = mask.view(torch.uint8)
@@ -92,7 +95,6 @@ def dci_scores(q, keys, heads, cand, mask, k):
         C, k,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), cand.stride(0), m.stride(0), m.stride(1),
         scores.stride(0), scores.stride(1), best.stride(0), best.stride(1),
-        G=G, D=D, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_C=min(64, max(16, triton.next_power_of_2(C))),
-        BLOCK_D=max(16, triton.next_power_of_2(D)),
+        G=G, D=D, **configs.dci_scores(G, C, D, target.arch).kwargs(),
     )
     return scores, best

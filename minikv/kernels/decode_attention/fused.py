@@ -12,18 +12,19 @@ Two launches:
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from .. import empty, triton_interpreted
+from .. import empty
+from .. import launch as configs
 from .._triton import LN2, LOG2E, check_dense_kv, merge_splits, split_len_for
 from .._triton import dot as _dot
 
-@triton.jit
+# lengths, and strides that follow them or the split count: no recompile as they change (kernels/launch.py)
+@triton.jit(do_not_specialize=["window", "L_cap", "split_len", "slb", "slh"])
 def _partial_kernel(
     q_ptr, k_ptr, v_ptr, lengths_ptr, o_ptr, lse_ptr,
     qk_scale,  # softmax scale * log2(e): the softmax runs in base 2, exp2 being the fast one
@@ -45,7 +46,7 @@ def _partial_kernel(
     g = tl.arange(0, BLOCK_G)  # query heads of this group, padded to >= 16 rows for tl.dot
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    heads = kvh * GROUP + g
+    heads = kvh.to(tl.int64) * GROUP + g  # int64: heads * sqh passes 2**31 in a long batch
     q_mask = (g < GROUP)[:, None] & d_ok[None, :]
     q = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + d[None, :], mask=q_mask, other=0.0)  # (BLOCK_G, BLOCK_D)
 
@@ -82,26 +83,27 @@ def _partial_kernel(
     tl.store(lse_ptr + b * slb + heads * slh + split, lse, mask=g < GROUP)
 
 
-@functools.lru_cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def default_split_len(B: int, Hkv: int, L_cap: int, device: torch.device, block_n: int) -> int:
+def default_split_len(B: int, Hkv: int, L_cap: int, target: configs.Target, block_n: int) -> int:
     """Slots per program (`split_len_for`: ~2 programs per SM, at most MAX_SPLITS splits)."""
-    if triton_interpreted():
-        return L_cap  # one split: interpreted programs cost time, parallelism buys nothing
-    return split_len_for(B * Hkv, _sm_count(device), L_cap, block_n)
+    if target.interpreted:
+        return max(L_cap, 1)  # one split: interpreted programs cost time, parallelism buys nothing
+    return split_len_for(B * Hkv, target.n_sm, L_cap, block_n)
 
 
-def launch(q, k, v, lengths, scale=None, window=None, return_lse=False, split_len=None, block_n=64):
-    """decode_attention with the launch parameters exposed (tests use them to force splits)."""
+def launch(q, k, v, lengths, scale=None, window=None, return_lse=False, split_len=None, block_n=None):
+    """decode_attention with the launch parameters exposed (tests use them to force splits; block_n
+    None: the launch configuration's, kernels/launch.py)."""
     B, Hq, Hkv, D = check_dense_kv(q, k, v, lengths, block_n=block_n)
     L_cap = k.shape[2]
+    target = configs.target(q.device)
+    cfg = configs.decode_attention(Hq // Hkv, D, q.dtype, target.arch)
+    if block_n is not None:
+        cfg = configs.Config({**cfg.blocks, "BLOCK_N": block_n}, cfg.num_warps, cfg.num_stages)
+    block_n = cfg.blocks["BLOCK_N"]
     assert lengths.shape == (B,) and not lengths.is_floating_point(), f"lengths must be (B,) int, got {lengths.shape}"
 
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
-    split_len = split_len or default_split_len(B, Hkv, L_cap, q.device, block_n)
+    split_len = split_len or default_split_len(B, Hkv, L_cap, target, block_n)
     S = triton.cdiv(L_cap, split_len)
     o_part = empty((B, Hq, S, D), torch.float32, q.device)  # partial results of each split
     lse_part = empty((B, Hq, S), torch.float32, q.device)
@@ -112,10 +114,9 @@ def launch(q, k, v, lengths, scale=None, window=None, return_lse=False, split_le
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         GROUP=group, D=D,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(D)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32: the default, ignored for 16-bit
-        UPCAST_DOT=triton_interpreted() and q.dtype == torch.bfloat16,
+        UPCAST_DOT=target.interpreted and q.dtype == torch.bfloat16,
+        **cfg.kwargs(),
     )
     out = empty((B, Hq, D), q.dtype, q.device)
     lse = empty((B, Hq), torch.float32, q.device)

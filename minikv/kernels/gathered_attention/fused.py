@@ -16,13 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import empty, triton_interpreted
-from .._triton import LN2, LOG2E, check_dense_kv, merge_splits
+from .. import empty
+from .. import launch as configs
+from .._triton import LN2, LOG2E, check_dense_kv, merge_splits, split_len_for
 from .._triton import dot as _dot
-from ..decode_attention.fused import _sm_count
 
 
-@triton.jit
+# lengths, and strides that follow them or the split count: no recompile as they change (kernels/launch.py)
+@triton.jit(do_not_specialize=["N", "split_len", "sib", "sih", "slb", "slh"])
 def _partial_kernel(
     q_ptr, k_ptr, v_ptr, idx_ptr, o_ptr, lse_ptr,
     qk_scale, N, split_len,
@@ -77,25 +78,30 @@ def _partial_kernel(
     tl.store(lse_ptr + b * slb + heads * slh + split, lse, mask=g < GROUP)
 
 
-def default_split_len(B: int, Hkv: int, N: int, device: torch.device, block_n: int) -> int:
-    """Entries per program: enough splits for ~2 programs per SM, none shorter than 256 entries,
-    at most 64 splits (as decode_attention)."""
-    if triton_interpreted():
-        return max(N, 1)
-    splits = max(1, min(triton.cdiv(2 * _sm_count(device), B * Hkv), triton.cdiv(N, 256), 64))
-    return triton.cdiv(triton.cdiv(N, splits), block_n) * block_n
+def default_split_len(B: int, Hkv: int, N: int, target: configs.Target, block_n: int) -> int:
+    """Entries per program (`split_len_for`, as decode_attention); >= block_n, so that an empty
+    list (N = 0) still makes one split, which writes lse = -inf."""
+    if target.interpreted:
+        return max(N, block_n)
+    return split_len_for(B * Hkv, target.n_sm, max(N, 1), block_n)
 
 
-def launch(q, k, v, index, scale=None, return_lse=False, split_len=None, block_n=32):
-    """gathered_attention with the launch parameters exposed (tests use them to force splits)."""
+def launch(q, k, v, index, scale=None, return_lse=False, split_len=None, block_n=None):
+    """gathered_attention with the launch parameters exposed (tests use them to force splits;
+    block_n None: the launch configuration's, kernels/launch.py)."""
     B, Hq, Hkv, D = check_dense_kv(q, k, v, index, block_n=block_n)
+    target = configs.target(q.device)
+    cfg = configs.gathered_attention(Hq // Hkv, D, q.dtype, target.arch)
+    if block_n is not None:
+        cfg = configs.Config({**cfg.blocks, "BLOCK_N": block_n}, cfg.num_warps, cfg.num_stages)
+    block_n = cfg.blocks["BLOCK_N"]
     assert index.dim() == 3 and index.shape[:2] == (B, Hkv) and not index.is_floating_point(), \
         f"index must be (B={B}, Hkv={Hkv}, N) int, got {tuple(index.shape)} {index.dtype}"
     assert index.stride(-1) == 1, "index rows must be contiguous"
 
     N = index.shape[2]
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
-    split_len = split_len or default_split_len(B, Hkv, N, q.device, block_n)
+    split_len = split_len or default_split_len(B, Hkv, N, target, block_n)
     S = max(1, triton.cdiv(N, split_len))
     o_part = empty((B, Hq, S, D), torch.float32, q.device)
     lse_part = empty((B, Hq, S), torch.float32, q.device)
@@ -107,10 +113,9 @@ def launch(q, k, v, index, scale=None, return_lse=False, split_len=None, block_n
         index.stride(0), index.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         GROUP=group, D=D,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(D)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST_DOT=triton_interpreted() and q.dtype == torch.bfloat16,
+        UPCAST_DOT=target.interpreted and q.dtype == torch.bfloat16,
+        **cfg.kwargs(),
     )
     out = empty((B, Hq, D), q.dtype, q.device)
     lse = empty((B, Hq), torch.float32, q.device)

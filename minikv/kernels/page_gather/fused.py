@@ -8,6 +8,8 @@ import math
 import triton
 import triton.language as tl
 
+from .. import launch as configs
+
 
 @triton.jit
 def _gather_kernel(src_ptr, rows_ptr, out_ptr, E, s_src, s_out, BLOCK: tl.constexpr):
@@ -38,7 +40,10 @@ def page_gather(src, rows, out):
     # a block must be E contiguous elements (one page of one head, keys then values)
     assert _blocks_contiguous(src) and _blocks_contiguous(out), "each block must be contiguous"
     assert src.device == rows.device == out.device, "one device"
+    target = configs.target(src.device)
+    configs.check_device(target, src)
     if n:
-        BLOCK = min(1024, triton.next_power_of_2(E))
-        _gather_kernel[(n, triton.cdiv(E, BLOCK))](src, rows, out, E, src.stride(0), out.stride(0), BLOCK=BLOCK)
+        cfg = configs.copy_block(E, target.arch)
+        grid = (n, triton.cdiv(E, cfg.blocks["BLOCK"]))  # E is one page of one head: axis 1 stays small
+        _gather_kernel[grid](src, rows, out, E, src.stride(0), out.stride(0), **cfg.kwargs())
     return out[:n]

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import launch as configs
+
 
 @triton.jit
 def _hnd_to_nhd_kernel(
@@ -40,11 +42,13 @@ def hnd_to_nhd(blocks, k_pages, v_pages, slots, heads):
 
     assert blocks.stride(-1) == k_pages.stride(-1) == v_pages.stride(-1) == 1, "the head dim must be contiguous"
     assert blocks.device == k_pages.device == v_pages.device == slots.device == heads.device, "one device"
+    target = configs.target(blocks.device)
+    configs.check_device(target, blocks)
     if n == 0:
         return
     _hnd_to_nhd_kernel[(n,)](
         blocks, k_pages, v_pages, slots, heads,
         blocks.stride(0), blocks.stride(1), blocks.stride(2),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
-        P=P, D=D, BLOCK_P=triton.next_power_of_2(P), BLOCK_D=triton.next_power_of_2(D),
+        P=P, D=D, **configs.page_layout(P, D, target.arch).kwargs(),
     )

@@ -1,8 +1,8 @@
 """Page scores, group reduction and top-k per KV head in one Triton kernel.
 
 Grid (B, Hkv): program (b, m) owns KV head m of row b and every query head of its group. It holds
-all N candidate pages of the head in one register tile (BLOCK_N = next power of 2 >= N, enough for
-the ~256 pages of an 8k context at page size 32), so the softmax over pages, the mean over the
+all N candidate pages of the head in one register tile (BLOCK_N = N's bucket in kernels/launch.py:
+64, 256, 1,024, 4,096 or 16,384 pages), so the softmax over pages, the mean over the
 group and the top-k never leave registers:
 
   1. raw (BLOCK_G, BLOCK_N): sum over channels of max(q_d lo_d, q_d hi_d), one channel column at a
@@ -18,12 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import triton_interpreted
+from .. import empty
+from .. import launch as configs
 
 REDUCE_CODES = {"softmax_mean": 0, "mean": 1, "max": 2}
 
 
-@triton.jit
+# counts, and strides that follow them: no recompile as they grow (kernels/launch.py)
+@triton.jit(do_not_specialize=["N", "K", "ssb", "ssh", "sib", "sih"])
 def _page_scores_kernel(
     q_ptr, lo_ptr, hi_ptr, n_valid_ptr, scores_ptr, index_ptr, codes_ptr,
     scale, N, K,
@@ -101,6 +103,8 @@ def page_scores(q, lo, hi, n_valid, k, scale=1.0, group_reduce="softmax_mean", c
     assert lo.stride(-1) == hi.stride(-1) == 1, "the digests' channel dim must be contiguous"
     assert n_valid.shape == (B,) and not n_valid.is_floating_point(), f"n_valid must be (B,) int, got {n_valid.shape}"
     assert q.device == lo.device == hi.device == n_valid.device, "all tensors on one device"
+    target = configs.target(q.device)
+    configs.check_device(target, q)
     assert 1 <= k <= N, f"k must be in [1, {N}], got {k}"
     assert N <= 16384, f"one register tile holds all pages of a head: N = {N} is too many"
     if codes is not None:
@@ -108,12 +112,10 @@ def page_scores(q, lo, hi, n_valid, k, scale=1.0, group_reduce="softmax_mean", c
             f"codes must be (B, Hkv, N, P, ceil(D / 4)) uint8, got {tuple(codes.shape)} {codes.dtype}"
         assert codes.stride(-1) == 1 and codes.device == q.device, "codes: byte dim contiguous, on q's device"
     cs = codes.stride()[:4] if codes is not None else (0, 0, 0, 0)
-    fill = float("nan") if triton_interpreted() else None  # poisoned: an unwritten score fails loudly
-    scores = torch.empty((B, Hkv, N), dtype=torch.float32, device=q.device)
-    if fill is not None:
-        scores.fill_(fill)
+    scores = empty((B, Hkv, N), torch.float32, q.device)  # NaN under the interpreter: see empty
     index = torch.full((B, Hkv, k), -7, dtype=torch.int64, device=q.device)
     G = Hq // Hkv
+    cfg = configs.page_scores(G, N, target.arch)
     _page_scores_kernel[(B, Hkv)](
         q, lo, hi, n_valid, scores, index, codes if codes is not None else lo,
         float(scale), N, k,
@@ -122,6 +124,6 @@ def page_scores(q, lo, hi, n_valid, k, scale=1.0, group_reduce="softmax_mean", c
         scores.stride(0), scores.stride(1), index.stride(0), index.stride(1), *cs,
         GROUP=G, D=D, REDUCE=REDUCE_CODES[group_reduce], HAS_CODES=codes is not None,
         PAGE=codes.shape[3] if codes is not None else 1,
-        BLOCK_G=triton.next_power_of_2(G), BLOCK_N=max(16, triton.next_power_of_2(N)),
+        **cfg.kwargs(),
     )
     return scores, index

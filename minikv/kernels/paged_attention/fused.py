@@ -14,11 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import triton_interpreted
+from .. import empty
+from .. import launch as configs
 from .._triton import LN2, LOG2E
 from .._triton import dot as _dot
 
-@triton.jit
+# table lengths, and strides that follow them: no recompile as they grow (kernels/launch.py)
+@triton.jit(do_not_specialize=["N", "stb", "sth", "slb", "slh"])
 def _paged_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, o_ptr, lse_ptr,
     qk_scale, N,
@@ -79,13 +81,13 @@ def paged_attention(q, k_pages, v_pages, page_table, page_lens, scale=None, retu
     assert q.dtype == k_pages.dtype == v_pages.dtype and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
     assert q.stride(-1) == k_pages.stride(-1) == v_pages.stride(-1) == 1, "the head dim must be contiguous"
     assert q.device == k_pages.device == v_pages.device == page_table.device == page_lens.device, "one device"
+    target = configs.target(q.device)
+    configs.check_device(target, q)
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
-    out = torch.empty_like(q)
-    lse = torch.empty((B, Hq), dtype=torch.float32, device=q.device)
-    if triton_interpreted():  # poisoned: an output element never written fails loudly
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
+    out = empty(q.shape, q.dtype, q.device)  # NaN under the interpreter: see empty
+    lse = empty((B, Hq), torch.float32, q.device)
     G = Hq // Hkv
+    cfg = configs.paged_attention(G, P, D, q.dtype, target.arch)
     _paged_kernel[(B, Hkv)](
         q, k_pages, v_pages, page_table, page_lens, out, lse,
         scale * LOG2E, page_table.shape[2],
@@ -94,9 +96,8 @@ def paged_attention(q, k_pages, v_pages, page_table, page_lens, scale=None, retu
         page_table.stride(0), page_table.stride(1), page_lens.stride(0), page_lens.stride(1),
         out.stride(0), out.stride(1),
         GROUP=G, D=D, P=P,
-        BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_P=max(16, triton.next_power_of_2(P)),
-        BLOCK_D=max(16, triton.next_power_of_2(D)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST_DOT=triton_interpreted() and q.dtype == torch.bfloat16,
+        UPCAST_DOT=target.interpreted and q.dtype == torch.bfloat16,
+        **cfg.kwargs(),
     )
     return (out, lse) if return_lse else out

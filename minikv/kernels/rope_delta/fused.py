@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import empty, triton_interpreted
+from .. import empty
+from .. import launch as configs
 
 # 2*pi split Cody-Waite style: n * TWO_PI_HI is exact in float32 for |n| < 2**16 (HI has 8
 # significant bits), so the reduction below loses nothing but LO's own rounding (~1e-10 * n).
@@ -67,7 +68,8 @@ def _rope_delta_kernel(
 def rope_delta(x: torch.Tensor, delta, inv_freq: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     assert x.dim() == 4, f"x must be (B, H, T, D), got {tuple(x.shape)}"
     assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), x.dtype
-    assert x.is_cuda or triton_interpreted(), "triton backend: x must be on a CUDA device"
+    target = configs.target(x.device)
+    configs.check_device(target, x)
     B, H, T, D = x.shape
     half = inv_freq.numel()
     assert half >= 1 and inv_freq.dim() == 1 and inv_freq.dtype == torch.float32, "inv_freq must be (R/2,) float32"
@@ -86,16 +88,14 @@ def rope_delta(x: torch.Tensor, delta, inv_freq: torch.Tensor, out: torch.Tensor
         return out
 
     delta = delta.reshape(-1)
-    BLOCK_T = min(16, triton.next_power_of_2(T))
-    grid = (triton.cdiv(T, BLOCK_T), B)
+    cfg = configs.rope_delta(T, half, D - 2 * half, target.arch)
+    grid = (triton.cdiv(T, cfg.blocks["BLOCK_T"]), B)
     _rope_delta_kernel[grid](
         x, out, delta, inv_freq.contiguous(),
         H, T, D - 2 * half,
         *x.stride(), *out.stride(), 0 if delta.numel() == 1 else delta.stride(0),
         HALF=half,
-        BLOCK_T=BLOCK_T,
-        BLOCK_HALF=triton.next_power_of_2(half),
-        BLOCK_TAIL=triton.next_power_of_2(max(D - 2 * half, 1)),
         COPY_TAIL=out.data_ptr() != x.data_ptr() and D > 2 * half,
+        **cfg.kwargs(),
     )
     return out
