@@ -31,7 +31,7 @@ SHARED = {
     "page_size": "tokens per page",
     "skip_layers": "the first layers, which keep full KV",
     "backend": "reference (the readable forms), eager (the fast CPU forms) or triton (the kernels)",
-    "preset": "paper: exactly the paper's rules (the values below; NAME:paper is the same), none: the defaults",
+    "preset": "paper: exactly the paper's rules (the spec NAME:paper is the same); none: the defaults",
 }
 PRESETS = ("paper",)
 
@@ -225,6 +225,7 @@ def describe(cls) -> list[str]:
     the values preset=paper sets."""
     fs = declarations(cls)
     width = max(len(f"{n}={show(f.default)}") for n, f in fs.items())
-    paper = ", ".join(f"{k}={show(v)}" for k, v in paper_rules(cls).items()) or "the defaults are the paper's"
-    return [f"{n + '=' + show(f.default):<{width}}  {bounds_text(f)}: {meaning(f)}"
-            + (f" ({paper})" if n == "preset" else "") for n, f in fs.items()]
+    rules = ", ".join(f"{k}={show(v)}" for k, v in paper_rules(cls).items())
+    rules = f"; here paper sets {rules}" if rules else "; here the defaults are the paper's rules"
+    return [f"{n + '=' + show(f.default):<{width}}  {bounds_text(f)}: {meaning(f)}" + (rules if n == "preset" else "")
+            for n, f in fs.items()]
