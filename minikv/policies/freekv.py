@@ -136,21 +136,29 @@ class FreeKVLayer(PagedLayer):
         q1 = q[:, :, 0]  # (1, Hq, D)
         self.kv.append(k, v)
         self.policy.layer_steps += 1
-        if not self.policy.speculative:  # Quest: select and recall on the critical path, every step
-            if self.kv.n_cand:
-                self.kv.recall(self.select(q1))
-            out = self.kv.attend(q1)
-            self.kv.roll()
-            return out[:, :, None]
+        if not self.policy.speculative:
+            return self.quest_step(q1)[:, :, None]
+        # 1. speculate: the slots hold the pages selected with q_{t-1}; which heads drifted?
         q_unit = self._unit(q1)  # (Hq, D)
         choosing = self.kv.n_cand > self.K  # else every candidate is resident: nothing to choose
         drifted = self.drifted_heads(q_unit) if choosing else None  # (Hkv,) bools
-        # speculate: the pages selected with q_{t-1} are in the slots; correct the drifted heads
+        # 2. correct the drifted heads: q_t's pages, recalled before attention
         chosen = self.correct(q1, drifted) if drifted and any(drifted) else None
-        out = self.kv.attend(q1)[:, :, None]  # attend: (1, Hq, 1, D)
-        rolled = self.kv.roll()  # the last page filled up: the oldest window page became a candidate
-        self.select_next(q1, chosen, drifted, rolled)
+        # 3. attend
+        out = self.kv.attend(q1)  # (1, Hq, D)
+        # 4. select the next step's pages with q_t, recalled in the background; a full last page
+        #    makes the oldest window page a candidate first (roll), so that it competes
+        self.select_next(q1, chosen, drifted, rolled=self.kv.roll())
         self.prev_q = q_unit
+        return out[:, :, None]
+
+    def quest_step(self, q1: torch.Tensor) -> torch.Tensor:
+        """speculative=False, plain Quest: select with q_t and recall on the critical path, then
+        attend. q1 (1, Hq, D) -> (1, Hq, D)."""
+        if self.kv.n_cand:
+            self.kv.recall(self.select(q1))
+        out = self.kv.attend(q1)
+        self.kv.roll()
         return out
 
     def drifted_heads(self, q_unit: torch.Tensor) -> list[bool]:
