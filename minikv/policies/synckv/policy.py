@@ -23,14 +23,16 @@ NR-heads. Where to read what (Algorithm 1's lines):
     SyncKV.split             k = budget less the window ring's slots, into static and dynamic
 
 The paper's rules: `synckv:paper` (preset=paper: wide_layers=0, nr_reads=union). Decisions
-(docs/design.md, "synckv" and "The paper as a preset"): the clustering unit is the KV head; Mem% counts R-heads at
-full length. The last `window` tokens, whatever their origin, are read by every head at every
-step; a token leaves the window only at a selection point (`slide_window`), as a candidate, so
-between anticipations the window grows to window + m - 1 tokens and budget = k + window + m - 1.
-By default NR-heads read their own cluster's sets (Sec. 4.4: the dynamic set "uniformly loaded
-for their cluster"); Algorithm 1 lines 23-24 have every NR-head read the union over all clusters'
-sets, nr_reads=union (an NR-head then reads up to N_r (k_static + k_dyn) + window tokens, each
-token once). The dynamic set is chosen among tokens its R-head has not made static. Table 3's ablations: offload=False is "w/o initialization", anticipation=False "w/o
+(docs/design.md, "synckv" and "The paper as a preset"): the clustering unit is the KV head; Mem%
+counts R-heads at full length. The last `window` tokens, whatever their origin, are read by every
+head at every step; a token leaves the window only at a selection point (`slide_window`), as a
+candidate, so between anticipations the window grows to window + m - 1 tokens and budget = k +
+window + m - 1. By default NR-heads read their own cluster's sets (Secs. 4.1 and 4.4: they reuse
+the indices of "the R-Head of their cluster"); Algorithm 1 lines 23-24 have every NR-head read the
+union over all clusters' sets, nr_reads=union (an NR-head then reads up to N_r (k_static + k_dyn)
++ window tokens, each token once; at N_r = 1 the two are the same). The dynamic set is chosen
+among the tokens before the window its R-head has not made static, so no token is read twice.
+Table 3's ablations: offload=False is "w/o initialization", anticipation=False "w/o
 anticipation", m=1 "w/o suspension". Beyond the paper, wide_layers gives the layers whose heads
 agree least (by S, Eq. 2) more clusters than n_r (SyncKV.widen; docs/synckv.md measures why). The
 defaults, budget=512 and wide_layers=4 (full KV in the 4 layers whose heads agree least), are
