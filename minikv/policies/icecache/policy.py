@@ -22,13 +22,15 @@ Backends: `reference` runs search.py's loops; `eager` (the CPU default, faster) 
 pages_fast.py; `triton` scores gathered keys with kernels/dci_scores (search_fast.py).
 
 The paper's rules: `icecache:paper` (preset=paper: window_offload=before). Decisions
-(docs/design.md, "icecache" and "The paper as a preset"): budget = sink + window + k pages of page_size per KV head;
-defaults from the authors' LongBench scripts (pages of 16, budget 256 = 2 sink + 2 window + 12
-retrieved pages, layers 0-1 full). GQA: each query head searches its KV head's tree, the group's
-lists are merged round-robin into k pages. A tree of at most k pages is read whole. IceCache(reuse)
-(App. C): with reuse_every = r, layers skip_layers, skip_layers + r, ... own a tree; the r - 1
-after an anchor keep their own KV in the anchor's pages and read the pages it selected. The
-query is the current step's q (no speculation, the authors' default).
+(docs/design.md, "icecache" and "The paper as a preset"): budget = sink + window + k pages of
+page_size per KV head; defaults from the authors' LongBench scripts (pages of 16, budget 256 = 2
+sink + 2 window + 12 retrieved pages, layers 0-1 full). GQA: each query head searches its KV
+head's tree, the group's lists are merged round-robin into k pages. A tree of at most k pages is
+read whole. IceCache(reuse) (App. C): with reuse_every = r, layers skip_layers, skip_layers + r,
+... own a tree; the r - 1 after an anchor keep their own KV in the anchor's pages and read the
+pages it selected. By default the oldest window page leaves after attention (window_offload=after):
+the window reads at least window - P + 1 tokens, where the paper's order reads window - P on the
+step that fills a page. The query is the current step's q (no speculation, the authors' default).
 """
 from __future__ import annotations
 
@@ -152,9 +154,9 @@ class IceCacheLayer(PagedLayer):
         # q (1, Hq, 1, D); k, v (1, Hkv, 1, D)
         pol, kv = self.policy, self.kv
         q1 = q[:, :, 0]  # (1, Hq, D)
-        kv.append(k, v)  # line 20
+        kv.append(k, v)  # line 20, first: the page that leaves (lines 16-17) is never the new token's
         before = pol.window_offload == "before"
-        left = kv.leave_window() if before else None  # lines 16-17, the paper's order
+        left = kv.leave_window() if before else None  # lines 16-17 in the paper's order: before attention
         if kv.n_cand:
             self.selection = self.select(q1) if self.anchor is None else self.anchor.selection  # line 22
             pol.pages_recalled += kv.recall(self.selection)  # line 23
