@@ -60,7 +60,8 @@ class SyncKV(Policy):
     PAPER = dict(wide_layers=0, nr_reads="union")  # N_r clusters in every layer; Algorithm 1 line 23
 
     budget: int = param(512, "most tokens a non-representative KV head reads on the device: static + dynamic "
-                             "+ window; capped by the context", low=1)
+                             "+ window (with nr_reads=union, every cluster's static + dynamic); capped by the "
+                             "context", low=1)
     window: int = param(32, "most recent tokens, read by every head at every step (the new token included)", low=1)
     rho: float = param(0.5, "static ratio: the share of k = budget - window slots chosen once (Eq. 4)",
                        low=0.0, high=1.0)
