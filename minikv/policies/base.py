@@ -34,7 +34,7 @@ from ..config import ModelConfig
 from ..kernels import check_backend
 from ..models.attention import dense_attention, expand_kv  # noqa: F401  (re-exported for policies)
 from ..models.rope import RotaryEmbedding
-from .params import check_fields, declarations, param, parse_value, value_type
+from .params import PRESETS, apply_preset, check_fields, declarations, param, parse_value, preset_conflicts, value_type
 from .tiers import Tiers
 
 
@@ -106,9 +106,13 @@ class Policy(ABC):
     # which backends it implements (kernels.policy_backends; none: reference and eager only)
     kernels: ClassVar[tuple[str, ...]] = ()
 
+    PAPER: ClassVar[dict] = {}  # the parameter values of the paper's rules, which preset=paper selects
+
     backend: str = param("eager")
+    preset: str | None = param(None, choices=PRESETS)
 
     def __post_init__(self):
+        apply_preset(self)
         check_fields(self)
         check_backend(self.backend, self.kernels, self.name)  # "reference" stays as given: policies read it for their own forms
         self.cfg: ModelConfig | None = None
@@ -130,6 +134,7 @@ class Policy(ABC):
         self.steps = 0
         self._peak_device_tokens = 0.0
         self._decode_device_tokens = 0.0  # sum over decode steps of the mean device tokens per layer
+        self.allocate_shared()
         self.layers = [self.make_layer(i) for i in range(cfg.n_layers)]
         return self
 
@@ -144,6 +149,9 @@ class Policy(ABC):
 
     def validate(self, cfg: ModelConfig) -> None:
         """Raise ValueError for parameters impossible with this model. Override as needed."""
+
+    def allocate_shared(self) -> None:
+        """Buffers the layers share (staging for recalls), allocated at bind before the layers."""
 
     @abstractmethod
     def make_layer(self, index: int) -> LayerKV: ...
@@ -238,7 +246,8 @@ def parameters(cls: type[Policy]) -> dict:
 
 
 def make(spec: "str | Policy", **overrides) -> Policy:
-    """Build a policy from a spec string "name:key=value,key=value" (or pass a Policy through).
+    """Build a policy from a spec string "name:key=value,key=value" (or pass a Policy through);
+    "name:paper,..." is "name:preset=paper,..." (params.py, the paper as a preset).
 
     Unknown names or parameters raise ValueError listing what exists; each value is parsed as
     its parameter's type (its declaration, params.py), so `speculative=maybe` or `window=abc`
@@ -258,6 +267,8 @@ def make(spec: "str | Policy", **overrides) -> Policy:
     for item in filter(None, (s.strip() for s in rest.split(","))):
         key, eq, value = item.partition("=")
         key = key.strip()
+        if not eq and key in PRESETS:  # the alias NAME:paper for NAME:preset=paper
+            key, eq, value = "preset", "=", key
         if not eq:
             raise ValueError(f"policy parameter {item!r} in {spec!r} is not of the form key=value")
         if key not in known:
@@ -270,4 +281,5 @@ def make(spec: "str | Policy", **overrides) -> Policy:
         if key not in known:
             raise ValueError(f"policy {name!r} has no parameter {key!r}; parameters: {', '.join(known)}")
     kwargs.update(overrides)
+    preset_conflicts(cls, kwargs)
     return cls(**kwargs)

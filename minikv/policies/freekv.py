@@ -1,38 +1,46 @@
 """freekv: speculative page retrieval with fine-grained correction.
 
 Paper: "FreeKV: Boosting KV Cache Retrieval for Efficient LLM Inference" (G. Liu, C. Li, Z. Ning,
-J. Lin, Y. Yao, D. Ke, M. Guo, J. Zhao; ICLR 2026; https://arxiv.org/abs/2505.13109), with the
-page bounds of "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference" (J. Tang
-et al., ICML 2024; https://arxiv.org/abs/2406.10774) and "ArkVale: Efficient Generative LLM
-Inference with Recallable Key-Value Eviction" (R. Chen et al., NeurIPS 2024).
+J. Lin, Y. Yao, D. Ke, M. Guo, J. Zhao; ICLR 2026; https://arxiv.org/abs/2505.13109), whose pages
+are summarised by "min-max pooled keys (similar to Quest)": "Quest: Query-Aware Sparsity for
+Efficient Long-Context LLM Inference" (J. Tang et al., ICML 2024; https://arxiv.org/abs/2406.10774).
+ArkVale's box comes from "ArkVale: Efficient Generative LLM Inference with Recallable Key-Value
+Eviction" (R. Chen et al., NeurIPS 2024), which FreeKV's code (github.com/sjtu-zhao-lab/FreeKV)
+builds on.
 
 The KV cache goes to the host tier in pages of P = 32 tokens; the device keeps the sink pages, the
-recent window and, per KV head, the K pages selected for the query. Where to read what:
+recent window and, per KV head, the K pages selected for the query. One decode step, as the
+paper's flow (FreeKVLayer.decode):
 
-    FreeKVLayer.prefill   dense attention over the prompt, the prompt paged, the first selection
-    FreeKVLayer.select    page scores, then the group-consistent top-K per KV head,
-                          S_m = sum_j softmax(P_{(m-1)G+j}) / G (kernels/page_scores); the paper's
-                          bound P_h[n] = sum_d max(q_d lo_{n,d}, q_d hi_{n,d}) over a digest box,
-                          or by default the coded keys' mass P_h[n] = log sum_t exp(q . k^_t)
-    FreeKVLayer.decode    speculative retrieval: step t attends with the pages selected with
-                          q_{t-1}, and after attention recalls q_t's pages in the background for
-                          step t + 1; correction: a KV head whose C_m = mean over the group of
-                          cos(q_t, q_{t-1}) is below tau is reselected with q_t and recalled first
-    paged.HostPages       host pages and their digests lo, hi (paged.page_digest), and
-                          quant2's 2-bit key codes (page_scores.pack_codes)
-    paged.PagedKV         sink, window and selected slots; a recall copies only missing pages
+    speculate            step t attends with the pages selected with q_{t-1} (already resident)
+    correct              C_m = mean over the group of cos(q_t, q_{t-1}) per KV head; a head with
+                         C_m < tau is drifted: one selection with q_t for all heads, the drifted
+                         heads' pages recalled before attention (FreeKVLayer.correct)
+    attend               sink + selected + window pages (paged.PagedKV.attend)
+    select the next      after attention, off the critical path: q_t's pages recalled in the
+                         background for step t + 1 (FreeKVLayer.select_next)
 
-Decisions (docs/design.md, "freekv"): the default digest, digest=quant2, is beyond the papers:
-Quest's min/max box plus a 2-bit code of every key in it, pages ranked by the attention their coded
-keys would take (the papers' bounds rank a natural-text needle's page low: docs/needle_mass.md); the
-papers' digests are digest=arkvale (ArkVale's box, the paper's system code) and digest=minmax
-(Quest). The page softmax scales P_h by 1/sqrt(D); one selection serves every KV head of a step; the
-last `window` tokens are always read, so budget = sink + window + P (the partly filled last page) +
-P K. speculative=False is plain Quest: select with q_t and recall before every attention. Layers
-below `skip_layers` keep full KV. rescore > 1 (not in the paper) lets the digests shortlist rescore
-x K pages and keeps the K whose keys hold the most exact attention. Backends: `reference` gathers
-the device pages and attends densely, `eager` reads the pool in place (pool.pool_attention),
-`triton` runs the kernels.
+    FreeKVLayer.select   group-consistent top-K per KV head, S_m = sum_j softmax(P_{(m-1)G+j}) / G
+                         (kernels/page_scores); P_h[n] = sum_d max(q_d lo_{n,d}, q_d hi_{n,d})
+                         over a page's digest box (Quest's bound), or with digest=quant2 the coded
+                         keys' mass P_h[n] = log sum_t exp(q . k^_t)
+    paged.HostPages      host pages (HND) and their digests lo, hi (paged.page_digest), and
+                         quant2's 2-bit key codes (page_scores.pack_codes)
+    paged.PagedKV        sink, window and selected slots; a recall copies only missing pages
+
+The paper's rules: `freekv:paper` (preset=paper: digest=minmax, the min-max pooled keys of the
+text). Decisions (docs/design.md, "freekv" and "The paper as a preset"): the default digest,
+digest=quant2, is beyond the papers: Quest's min/max box plus a 2-bit code of every key in it,
+pages ranked by the attention their coded keys would take (a bound ranks a natural-text
+needle's page low: docs/needle_mass.md); digest=arkvale is ArkVale's box (centre +- mean
+|k - centre|, what FreeKV's code builds on). The page softmax scales P_h by 1/sqrt(D); one
+selection serves every KV head of a step; the last `window` tokens are always read, so budget =
+sink + window + P (the partly filled last page) + P K. speculative=False is plain Quest: select
+with q_t and recall before every attention. Layers below `skip_layers` keep full KV. rescore > 1
+(not in the paper) lets the digests shortlist rescore x K pages and keeps the K whose keys hold
+the most exact attention (FreeKVLayer.exact_mass_top). Backends: `reference` gathers the device
+pages and attends densely, `eager` reads the pool in place (pool.pool_attention), `triton` runs
+the kernels.
 """
 from __future__ import annotations
 
@@ -74,14 +82,14 @@ class FreeKVLayer(PagedLayer):
             codes = pages.codes[:, :, :n] if pages.codes is not None else None
             _, index = page_scores(q, pages.lo[:, :, :n], pages.hi[:, :, :n], pages.n_valid, shortlist, self.scale,
                                    pol.group_reduce, codes, backend=pol.backend)  # (1, Hkv, shortlist)
-            index = self.rescore(q, index[0], k) if shortlist > k else index[0]  # (Hkv, k)
+            index = self.exact_mass_top(q, index[0], k) if shortlist > k else index[0]  # (Hkv, k)
             out = index if k == self.K else F.pad(index, (0, self.K - k), value=-1)  # (Hkv, K)
             out = out.cpu()  # the bookkeeping is host-side: one small copy (and sync) on CUDA
         else:
             out = torch.full((self.kv.Hkv, self.K), -1, dtype=torch.int64)
         return out
 
-    def rescore(self, q: torch.Tensor, shortlist: torch.Tensor, k: int) -> torch.Tensor:
+    def exact_mass_top(self, q: torch.Tensor, shortlist: torch.Tensor, k: int) -> torch.Tensor:
         """Beyond the paper (rescore > 1): the digests' bound only shortlists rescore x K pages per
         KV head; their keys come over from the host and the K with the most exact attention mass
         win: a page's softmax mass over the shortlisted tokens, summed over the page, mean over the
@@ -125,46 +133,67 @@ class FreeKVLayer(PagedLayer):
 
     def decode(self, q, k, v, positions):
         # q (1, Hq, 1, D); k, v (1, Hkv, 1, D)
-        pol, kv = self.policy, self.kv
         q1 = q[:, :, 0]  # (1, Hq, D)
-        q_unit = self._unit(q1) if pol.speculative else None  # (Hq, D)
-        kv.append(k, v)
-        retrieving = kv.n_cand > self.K  # else every candidate is resident: nothing to choose
-        exact = None  # q_t's selection (Hkv, K)
-        later = None  # (Hkv,) bools: the heads that take exact's pages after attention; None: all
-        if not pol.speculative:  # Quest: select and recall on the critical path, every step
-            if kv.n_cand:
-                exact = self.select(q1)
-                kv.recall(exact)
-        elif retrieving:
-            # correction signal, per KV head: C_m = mean_j cos(q_t, q_{t-1}) over the group
-            sim = (q_unit * self.prev_q).sum(-1)  # (Hq,) cosine similarities
-            corr = (sim.view(-1, self.G).sum(1) / self.G < pol.tau).tolist()  # (Hkv,) bools
-            n_corr = sum(corr)
-            pol.head_steps += kv.Hkv
-            if n_corr:
-                pol.corrected_heads += n_corr
-                pol.corrected_steps += 1
-                exact = self.select(q1)  # once for all KV heads
-                self._count_speculation(exact)
-                kv.recall(exact, heads=corr)  # the drifted heads, before attention
-                later = [not c for c in corr]  # the others: they attend with the speculative pages first
-        pol.layer_steps += 1
-
-        out = kv.attend(q1)[:, :, None]  # (1, Hq, 1, D)
-
-        rolled = kv.roll()  # the last page filled up: the oldest window page became a candidate
-        if pol.speculative:
-            # after attention, off the critical path: next step's pages, selected with q_t
-            if retrieving and exact is None:
-                exact = self.select(q1)
-                self._count_speculation(exact)
-            if rolled:  # select again so that the new candidate competes too
-                exact, later = self.select(q1), None
-            if exact is not None and (later is None or any(later)):
-                kv.recall(exact, heads=later, background=True)
+        self.kv.append(k, v)
+        self.policy.layer_steps += 1
+        if not self.policy.speculative:
+            return self.quest_step(q1)[:, :, None]
+        # 1. speculate: the slots hold the pages selected with q_{t-1}; which heads drifted?
+        q_unit = self._unit(q1)  # (Hq, D)
+        choosing = self.kv.n_cand > self.K  # else every candidate is resident: nothing to choose
+        drifted = self.drifted_heads(q_unit) if choosing else None  # (Hkv,) bools
+        # 2. correct the drifted heads: q_t's pages, recalled before attention
+        chosen = self.correct(q1, drifted) if drifted and any(drifted) else None
+        # 3. attend
+        out = self.kv.attend(q1)  # (1, Hq, D)
+        # 4. select the next step's pages with q_t, recalled in the background; a full last page
+        #    makes the oldest window page a candidate first (roll), so that it competes
+        self.select_next(q1, chosen, drifted, rolled=self.kv.roll())
         self.prev_q = q_unit
+        return out[:, :, None]
+
+    def quest_step(self, q1: torch.Tensor) -> torch.Tensor:
+        """speculative=False, plain Quest: select with q_t and recall on the critical path, then
+        attend. q1 (1, Hq, D) -> (1, Hq, D)."""
+        if self.kv.n_cand:
+            self.kv.recall(self.select(q1))
+        out = self.kv.attend(q1)
+        self.kv.roll()
         return out
+
+    def drifted_heads(self, q_unit: torch.Tensor) -> list[bool]:
+        """The correction signal per KV head: C_m = mean over the group of cos(q_t, q_{t-1}) < tau.
+        q_unit (Hq, D) unit rows -> (Hkv,) bools."""
+        sim = (q_unit * self.prev_q).sum(-1)  # (Hq,) cosine similarities
+        drifted = (sim.view(-1, self.G).sum(1) / self.G < self.policy.tau).tolist()
+        self.policy.head_steps += self.kv.Hkv
+        return drifted
+
+    def correct(self, q1: torch.Tensor, drifted: list[bool]) -> torch.Tensor:
+        """Fine-grained correction: one selection with q_t for every KV head; the drifted heads'
+        pages are recalled now, before attention. -> the selection (Hkv, K)."""
+        pol = self.policy
+        pol.corrected_heads += sum(drifted)
+        pol.corrected_steps += 1
+        chosen = self.select(q1)
+        self._count_speculation(chosen)
+        self.kv.recall(chosen, heads=drifted)
+        return chosen
+
+    def select_next(self, q1: torch.Tensor, chosen, drifted, rolled: bool) -> None:
+        """After attention, off the critical path: the pages step t + 1 reads, selected with q_t,
+        recalled in the background. A correction's selection serves the heads it did not recall;
+        a new candidate (rolled) makes every head select again."""
+        heads = None  # all KV heads
+        if rolled or (drifted is not None and chosen is None):
+            fresh = self.select(q1)
+            if chosen is None and drifted is not None:
+                self._count_speculation(fresh)
+            chosen = fresh
+        elif chosen is not None:
+            heads = [not d for d in drifted]  # the corrected heads hold these pages already
+        if chosen is not None and (heads is None or any(heads)):
+            self.kv.recall(chosen, heads=heads, background=True)
 
     def allocated_host_tokens(self) -> int:
         return self.pages.max_pages * self.kv.P  # the host tier is preallocated for max_len
@@ -181,6 +210,7 @@ class FreeKV(Policy):
     name = "freekv"
     max_batch = 1
     kernels = ("page_scores", "paged_attention", "page_gather", "page_layout")
+    PAPER = dict(digest="minmax")  # the text's "min-max pooled keys (similar to Quest)"
 
     page_size: int = param(32, low=1)
     budget: int = param(256, low=0, multiple_of="page_size")
@@ -190,11 +220,12 @@ class FreeKV(Policy):
     speculative: bool = param(True, "select with the previous step's query (speculative retrieval)")
     group_reduce: str = param("softmax_mean", "how a GQA group's page scores become one", choices=GROUP_REDUCES)
     digest: str = param("quant2", "page summary: quant2 (beyond the papers: Quest's box and 2-bit codes of each key, "
-                                  "pages scored by their approximate attention mass), arkvale (ArkVale's box, "
-                                  "the paper's) or minmax (Quest's)", choices=DIGESTS)
+                                  "pages scored by their approximate attention mass), minmax (the paper's min-max "
+                                  "pooled keys, Quest's bound) or arkvale (ArkVale's box, which FreeKV's code builds "
+                                  "on)", choices=DIGESTS)
     skip_layers: int = param(0, low=0)
-    rescore: int = param(0, "beyond the paper: shortlist rescore x K pages by the digest, pick K by their keys' "
-                            "exact attention (0: the paper's selection)", low=0)
+    rescore: int = param(0, "beyond the paper: shortlist rescore x K pages by the digest, keep the K whose keys "
+                            "take the most exact attention (0: the paper's selection)", low=0)
 
     def __post_init__(self):
         super().__post_init__()
@@ -203,10 +234,10 @@ class FreeKV(Policy):
         if self.budget < least:
             raise ValueError(f"budget must be >= sink + window + 2 * page_size = {least} "
                              f"(the partly filled last page and at least one selected page), got {self.budget}")
-        self.n_select = (self.budget - self.sink - self.window) // self.page_size - 1  # one page for the partial last one
 
     def validate(self, cfg):
-        # never more selected pages than the context has: a budget past it costs what full KV costs
+        # the selected pages: the budget less sink, window and the partly filled last page, and never
+        # more than the context has (a budget past it costs what full KV costs)
         declared = (self.budget - self.sink - self.window) // self.page_size - 1
         self.n_select = min(declared, math.ceil(self.max_len / self.page_size))
         if self.skip_layers > cfg.n_layers:
@@ -219,10 +250,12 @@ class FreeKV(Policy):
         self.layer_steps = self.head_steps = self.corrected_heads = self.corrected_steps = 0
         self.spec_equal = self.spec_compared = 0
 
+    def allocate_shared(self) -> None:
+        # one pair of staging buffers for all layers (they recall one after another)
+        self.staging = Staging((self.cfg.n_kv_heads * self.n_select, 2, self.page_size, self.cfg.head_dim),
+                               self.dtype, self.tiers)
+
     def make_layer(self, index: int) -> LayerKV:
-        if index == 0:  # one pair of staging buffers for all layers (they recall one after another)
-            self.staging = Staging((self.cfg.n_kv_heads * self.n_select, 2, self.page_size, self.cfg.head_dim),
-                                   self.dtype, self.tiers)
         return FullLayer(self, index) if index < self.skip_layers else FreeKVLayer(self, index)
 
     def aux_bytes(self) -> tuple[int, int]:

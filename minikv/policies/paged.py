@@ -14,14 +14,16 @@ Where to read what:
 
     PagedKV.prefill, append        the prompt, then one token into the partly filled last page
     PagedKV.roll                   the last page filled and the ring is full: the oldest window
-                                   page is offloaded and becomes a candidate
+                                   page is offloaded and becomes a candidate (leave_window, then
+                                   store; icecache's paper order runs attention between the two)
     PagedKV.recall, _copy_in       incremental recall: only pages not already resident are
                                    copied, into the slots of pages that left the selection
                                    (pool.refill), through Tiers.copy_in
     PagedKV.attend, read_indices   attention over every occupied slot; the tokens it read
     HostPages                      freekv's store: host (max_pages, Hkv, 2, P, D), HND, so one
                                    page of one head is one contiguous block of 2 P D elements
-    page_digest                    lo, hi per channel: Quest's min/max or ArkVale's box
+    page_digest                    lo, hi per channel: min/max (FreeKV's text, Quest's bound) or
+                                   ArkVale's box
 
 Decisions (docs/design.md, "freekv"): the pool holds S = n_sink + n_select + n_window slots in
 that order; sink and window slots hold the same page for every head, selected slots a page per
@@ -184,7 +186,8 @@ class PagedKV:
             a, b = sink * P, (sink + n_cand) * P
             kc = k[0, :, a:b].reshape(self.Hkv, n_cand, P, self.D).permute(1, 2, 0, 3)  # (n, P, Hkv, D) NHD view
             vc = v[0, :, a:b].reshape(self.Hkv, n_cand, P, self.D).permute(1, 2, 0, 3)
-            self._offload(kc, vc)
+            self.n_cand = n_cand
+            self.store(kc, vc, 0)
         self.length = T
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -199,23 +202,33 @@ class PagedKV:
         """If the last page just filled up and the window ring is full, offload the oldest window
         page so that its slot takes the next page. Call after each step's attention; returns True
         when a page became a candidate (the selection must then be recomputed)."""
+        left = self.leave_window()
+        if left is not None:
+            self.store(*left)
+        return left is not None
+
+    def leave_window(self):
+        """The first half of roll: if the last page just filled up and the ring is full, the
+        oldest window page leaves the device (attention no longer reads it; it counts as a
+        candidate) -> (k, v, first): its pages (1, P, Hkv, D), views of its freed slot, valid
+        until the next page's first token, and its candidate index; else None. `store` puts it
+        into the candidate store (icecache's paper order: leave before attention, store after)."""
         if self.length % self.P or self.length <= self.n_sink * self.P:
-            return False
+            return None
         first_window = self.n_sink + self.n_cand
         last = self.length // self.P - 1
         if last - first_window + 1 < self.n_window:
-            return False
+            return None
         s = self.slot_of(first_window)
-        self._offload(self.pool.k_pages[s:s + 1], self.pool.v_pages[s:s + 1])
         self.pool.page_lens[0, :, s] = 0
-        return True
+        self.n_cand += 1
+        return self.pool.k_pages[s:s + 1], self.pool.v_pages[s:s + 1], self.n_cand - 1
 
-    def _offload(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        # k, v (n, P, Hkv, D) NHD pages leaving the device -> the candidate store. A store whose
-        # pages grow (icecache's) names the pages that changed: a slot holding one is emptied, and
-        # the next recall copies it again
-        grown = self.candidates.offload(k, v, self.n_cand)
-        self.n_cand += k.shape[0]
+    def store(self, k: torch.Tensor, v: torch.Tensor, first: int) -> None:
+        """Pages that left the device, k, v (n, P, Hkv, D) NHD, into the candidate store as
+        candidates first.. . A store whose pages grow (icecache's) names the pages that changed:
+        a slot holding one is emptied, and the next recall copies it again."""
+        grown = self.candidates.offload(k, v, first)
         for h, pages in enumerate(grown or ()):
             for j, c in enumerate(self.held[h]):
                 if c in pages:

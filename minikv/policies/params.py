@@ -4,6 +4,12 @@ parser (`make("freekv:budget=256")` reads each value as its field's type), the c
 policy gets for free (`check_fields`: type, finite, bounds, choices; a policy's `__post_init__`
 adds only what relates two parameters) and the policy listing of `--help` (`describe`).
 
+The paper as a preset: each policy class names, in `PAPER`, the values of its parameters that
+select exactly its paper's rules (`paper_rules`); `preset=paper` (or the spec alias `NAME:paper`,
+e.g. `freekv:paper,budget=512`) takes them (`apply_preset`), and a parameter the preset sets may
+not be given another value beside it (`preset_conflicts`). docs/design.md, "The paper as a
+preset", gives each default that departs from the preset, with the measurement behind it.
+
 The meanings the policies share (docs/design.md, "The policy contract") are written once, in
 SHARED; a field named budget, sink, window, page_size, skip_layers or backend takes its meaning
 from there unless it says otherwise.
@@ -26,7 +32,9 @@ SHARED = {
     "skip_layers": "the first layers, which keep full KV",
     "backend": "reference (the readable forms), eager (the fast CPU forms), triton (the kernels) or a name "
                "given to minikv.kernels.register_backend",
+    "preset": "paper: exactly the paper's rules (the spec NAME:paper is the same); none: the defaults",
 }
+PRESETS = ("paper",)
 
 TRUE_WORDS, FALSE_WORDS = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
 
@@ -42,9 +50,11 @@ def param(default, help: str | None = None, *, low=None, high=None, above=None, 
 
 
 def declarations(cls) -> dict[str, Field]:
-    """name -> field of every parameter of a policy class, in declaration order (backend last)."""
+    """name -> field of every parameter of a policy class, in declaration order (backend and
+    preset last)."""
     out = {f.name: f for f in fields(cls) if f.init}
     out["backend"] = out.pop("backend")
+    out["preset"] = out.pop("preset")
     return out
 
 
@@ -173,6 +183,37 @@ def check_fields(policy) -> None:
         setattr(policy, f.name, check_field(policy, f))
 
 
+# -- the paper as a preset ----------------------------------------------------------------------
+
+
+def paper_rules(cls) -> dict:
+    """The parameter values that select exactly the paper's rules for a policy class: its
+    `PAPER` (empty where the defaults are the paper's, or where there is no paper)."""
+    return dict(getattr(cls, "PAPER", {}))
+
+
+def preset_conflicts(cls, given: dict) -> None:
+    """Refuse a spec that asks for preset=paper and gives one of the paper's parameters another
+    value: the result would not be the paper's rules. given: the spec's parsed items."""
+    if given.get("preset") != "paper":
+        return
+    for key, want in paper_rules(cls).items():
+        if key in given and given[key] != want:
+            raise ValueError(f"policy {cls.name!r}: preset=paper sets {key}={show(want)} (the paper's rule), "
+                             f"got {key}={show(given[key])}; drop one of them")
+
+
+def apply_preset(policy) -> None:
+    """preset=paper: each parameter the paper sets and the caller left at its default takes the
+    paper's value (make has refused the ones given otherwise)."""
+    if policy.preset != "paper":
+        return
+    fs = {f.name: f for f in fields(policy)}
+    for key, want in paper_rules(type(policy)).items():
+        if getattr(policy, key) == fs[key].default:
+            setattr(policy, key, want)
+
+
 # -- the listing of --help -----------------------------------------------------------------------
 
 
@@ -181,7 +222,11 @@ def show(value) -> str:
 
 
 def describe(cls) -> list[str]:
-    """One line per parameter: name=default, type and bounds, meaning."""
+    """One line per parameter: name=default, type and bounds, meaning; the preset's line lists
+    the values preset=paper sets."""
     fs = declarations(cls)
     width = max(len(f"{n}={show(f.default)}") for n, f in fs.items())
-    return [f"{n + '=' + show(f.default):<{width}}  {bounds_text(f)}: {meaning(f)}" for n, f in fs.items()]
+    rules = ", ".join(f"{k}={show(v)}" for k, v in paper_rules(cls).items())
+    rules = f"; here paper sets {rules}" if rules else "; here the defaults are the paper's rules"
+    return [f"{n + '=' + show(f.default):<{width}}  {bounds_text(f)}: {meaning(f)}" + (rules if n == "preset" else "")
+            for n, f in fs.items()]

@@ -21,8 +21,9 @@ sink tokens, then a contiguous block of the most recent ones. Where to read what
 
 The plain StreamingLLM baseline is R = 1, slack = 0, max_drop = 0.
 
-Decisions (docs/design.md, "streaming"): a new key is rotated once, at its cache position, never
-at its absolute position and back; invariant, tested near p = 10^7: slot i holds RoPE(k_pre, i).
+The defaults are the paper's rules (`streaming:paper` is `streaming`). Decisions (docs/design.md,
+"streaming"): a new key is rotated once, at its cache position, never at its absolute position
+and back; invariant, tested near p = 10^7: slot i holds RoPE(k_pre, i).
 Pruning runs after attention, at the end of each layer's step, so attention reads at most C + R
 tokens: that is `budget`, and budget=N sets window = N - sink - R. The prefill replays Algorithm
 1 (it depends on lengths only), so a long prompt is never read whole by a short cache.

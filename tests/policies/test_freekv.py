@@ -258,10 +258,10 @@ def test_smollm2_retrieves_a_passkey_that_a_window_of_the_same_budget_loses(smol
     assert not score(lost.text, key), lost.text
 
 
-def test_smollm2_default_digest_finds_a_natural_text_needle_the_papers_box_loses(smollm2):
+def test_smollm2_default_digest_finds_a_natural_text_needle_arkvales_box_loses(smollm2):
     """compare's niah_single_1 on natural text (pydoc), 4,096 tokens, seed 0, budget 256 (6% of
-    the KV): full KV answers; ArkVale's box (digest=arkvale, the paper's) ranks the needle's page
-    out of the top K and answers another number; the default, quant2, ranks pages by their coded
+    the KV): full KV answers; ArkVale's box (digest=arkvale, which FreeKV's code builds on) ranks
+    the needle's page out of the top K and answers another number; the default, quant2, ranks pages by their coded
     keys' attention and answers as full KV does (docs/freekv.md: 17 of 20 such needles against
     the box's 3)."""
     from minikv.bench.tasks import make_instance, string_match_all

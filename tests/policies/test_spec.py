@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 import pytest
 import torch
 
-from minikv.policies import Policy, make
+from minikv.policies import Policy, available, make
 from minikv.policies.base import _REGISTRY, register
 from minikv.policies.params import param, parse_value, value_type
 
@@ -147,3 +147,25 @@ def test_triton_backend_is_refused_at_once_when_the_interpreter_is_off(monkeypat
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # e.g. a user who set it so before starting Python
     with pytest.raises(ValueError, match="needs Triton's interpreter.*TRITON_INTERPRET=1"):
         make("freekv:backend=triton")
+
+
+# -- the paper as a preset ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", available())
+def test_every_policy_takes_the_paper_preset(name):
+    """NAME:paper is NAME:preset=paper; the preset's values are declared parameters, pass their
+    checks, and are what the policy holds; a value given against them is refused by name."""
+    from minikv.policies.base import parameters
+    from minikv.policies.params import paper_rules
+
+    cls = _REGISTRY[name]
+    rules = paper_rules(cls)
+    assert set(rules) <= set(parameters(cls))
+    for spec in (f"{name}:paper", f"{name}:preset=paper"):
+        p = make(spec)
+        assert p.preset == "paper" and all(getattr(p, k) == v for k, v in rules.items())
+    for key, value in rules.items():
+        other = next(c for c in parameters(cls)[key].metadata["choices"] or (value + 1,) if c != value)
+        with pytest.raises(ValueError, match=rf"preset=paper sets {key}="):
+            make(f"{name}:paper,{key}={other}")

@@ -7,24 +7,30 @@ Pages are clusters of keys that point the same way (the tree's leaves), not runs
 tokens, so a query's few relevant keys sit in a few pages. One decode step of a layer (Alg. 1):
 
   line 20       IceCacheLayer.decode: the new token joins the window (PagedKV.append)
+  lines 16-17   PagedKV.leave_window: the last page fills up, the oldest window page leaves the
+                device (window_offload=before, the paper's order: before attention; the default
+                `after` runs it after line 25)
   line 22       IceCacheLayer.select: PAGE-SELECT (Alg. 3-4), search.page_select, then the GQA merge
-  line 23       SemanticPages.recall: only the pages not already on the device, bulk-copied (Sec. 4.3)
+  line 23       PagedKV.recall: only the pages not already on the device, bulk-copied (Sec. 4.3)
   line 25       PagedKV.attend: sink, selected pages and window through a page table, partly
                 filled pages masked (kernels/paged_attention)
-  lines 16-17, 26-36   PagedKV.roll -> SemanticPages._offload: a full window page leaves; its tokens
-                go into the tree (tree.DCIForest.insert) and, bit for bit, into their host pages
+  lines 26-36   PagedKV.store -> SemanticPages.offload: the page that left goes into the tree
+                (tree.DCIForest.insert) and, bit for bit, into its tokens' host pages
   prefill (lines 3-12) dense attention; the tokens between sink and window indexed (DCIForest.build)
 
 Backends: `reference` runs search.py's loops; `eager` (the CPU default, faster) runs
 pages_fast.py; `triton` scores gathered keys with kernels/dci_scores (search_fast.py).
 
-Decisions (docs/design.md, "icecache"): budget = sink + window + k pages of page_size per KV head;
-defaults from the authors' LongBench scripts (pages of 16, budget 256 = 2 sink + 2 window + 12
-retrieved pages, layers 0-1 full). GQA: each query head searches its KV head's tree, the group's
-lists are merged round-robin into k pages. A tree of at most k pages is read whole. IceCache(reuse)
-(App. C): with reuse_every = r, layers skip_layers, skip_layers + r, ... own a tree; the r - 1
-after an anchor keep their own KV in the anchor's pages and read the pages it selected. The
-query is the current step's q (no speculation, the authors' default).
+The paper's rules: `icecache:paper` (preset=paper: window_offload=before). Decisions
+(docs/design.md, "icecache" and "The paper as a preset"): budget = sink + window + k pages of
+page_size per KV head; defaults from the authors' LongBench scripts (pages of 16, budget 256 = 2
+sink + 2 window + 12 retrieved pages, layers 0-1 full). GQA: each query head searches its KV
+head's tree, the group's lists are merged round-robin into k pages. A tree of at most k pages is
+read whole. IceCache(reuse) (App. C): with reuse_every = r, layers skip_layers, skip_layers + r,
+... own a tree; the r - 1 after an anchor keep their own KV in the anchor's pages and read the
+pages it selected. By default the oldest window page leaves after attention (window_offload=after):
+the window reads at least window - P + 1 tokens, where the paper's order reads window - P on the
+step that fills a page. The query is the current step's q (no speculation, the authors' default).
 """
 from __future__ import annotations
 
@@ -148,13 +154,19 @@ class IceCacheLayer(PagedLayer):
         # q (1, Hq, 1, D); k, v (1, Hkv, 1, D)
         pol, kv = self.policy, self.kv
         q1 = q[:, :, 0]  # (1, Hq, D)
-        kv.append(k, v)
+        kv.append(k, v)  # line 20, first: the page that leaves (lines 16-17) is never the new token's
+        before = pol.window_offload == "before"
+        left = kv.leave_window() if before else None  # lines 16-17 in the paper's order: before attention
         if kv.n_cand:
-            self.selection = self.select(q1) if self.anchor is None else self.anchor.selection
-            pol.pages_recalled += kv.recall(self.selection)
-        out = kv.attend(q1)[:, :, None]  # (1, Hq, 1, D)
+            self.selection = self.select(q1) if self.anchor is None else self.anchor.selection  # line 22
+            pol.pages_recalled += kv.recall(self.selection)  # line 23
+        out = kv.attend(q1)[:, :, None]  # line 25: (1, Hq, 1, D)
         self._read = kv.last_read  # attend's record: length, candidates, held pages and their fills
-        kv.roll()  # a full window page leaves: its tokens into the tree (insert) and the host pages
+        if before:
+            if left is not None:
+                kv.store(*left)  # lines 26-36: its tokens into the tree (insert) and the host pages
+        else:
+            kv.roll()  # lines 16-17 and 26-36 after attention: this step still read the page
         return out
 
     def attended_indices(self) -> torch.Tensor | None:
@@ -179,6 +191,7 @@ class IceCache(Policy):
     name = "icecache"
     max_batch = 1
     kernels = ("dci_scores", "paged_attention", "page_gather", "page_layout")
+    PAPER = dict(window_offload="before")  # Algorithm 1 lines 16-17: the page leaves before attention
 
     page_size: int = param(16, low=1)
     budget: int = param(256, low=0, multiple_of="page_size")
@@ -191,6 +204,9 @@ class IceCache(Policy):
     prop: float = param(0.8, "share of a node's children scored before the search stops", above=0.0, high=1.0)
     batch: int = param(CLOSEST, "projections a node's scan scores per step", low=1)
     seed: int = param(0, "seed of the random projection direction")
+    window_offload: str = param("after", "when the oldest window page leaves the device on the step that fills the "
+                                         "last page: before attention (the paper's Algorithm 1, lines 16-17) or after "
+                                         "it (that step still reads it)", choices=("before", "after"))
 
     def __post_init__(self):
         super().__post_init__()
@@ -199,7 +215,9 @@ class IceCache(Policy):
         if self.budget < least:
             raise ValueError(f"budget must be >= sink + window + page_size = {least} "
                              f"(at least one retrieved page), got {self.budget}")
-        self.n_select = (self.budget - self.sink - self.window) // self.page_size
+        if self.window_offload == "before" and self.window < 2 * self.page_size:
+            raise ValueError(f"window_offload=before needs window >= 2 * page_size = {2 * self.page_size} (the "
+                             f"page that leaves is not the one the new token fills), got {self.window}")
         self.search = self.backend  # "reference": search.py's loops; else the fast forms
         # the tree and its keys live on the host tier; Triton reaches host memory only when there
         # is no GPU (interpreter), so with CUDA the host-side operations run eager
@@ -225,10 +243,12 @@ class IceCache(Policy):
     def is_anchor(self, index: int) -> bool:
         return index >= self.skip_layers and (index - self.skip_layers) % self.reuse_every == 0
 
+    def allocate_shared(self) -> None:
+        # one pair of recall staging buffers for all layers (they run in turn)
+        self.staging = Staging((self.cfg.n_kv_heads * self.n_select, 2, self.page_size, self.cfg.head_dim),
+                               self.dtype, self.tiers)
+
     def make_layer(self, index: int) -> LayerKV:
-        if index == 0:  # one pair of recall staging buffers for all layers (they run in turn)
-            self.staging = Staging((self.cfg.n_kv_heads * self.n_select, 2, self.page_size, self.cfg.head_dim),
-                                   self.dtype, self.tiers)
         if index < self.skip_layers:
             return FullLayer(self, index)
         first = index - (index - self.skip_layers) % self.reuse_every  # the anchor at or before it

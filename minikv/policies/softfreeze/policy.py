@@ -15,17 +15,22 @@ back bit for bit and is judged again. Where to read what:
     kernels/attention_relevance  lines 1-2: attention and s_j in one pass (reference.py)
     schedule_fast, layer_fast    the fast form of the same schedule, all layers at once (default)
 
-Decisions (docs/design.md): a token frozen in a step keeps its timer that step (schedule.py).
-The score: score="raw" is Eq. 2 as it is and score="relative" divides it by the mean s over the
-active tokens (Eq. 2 is unscaled: tau = 0.5 never fires on SmolLM2). Both rank tokens nearly
-opposite to the attention on SmolLM2 (a key a head ignores has a large negative q.k, so a large
-|q.k|), so score="attention" (the default, minikv's) scores a token by the largest softmax weight
-any head gives it, times |A| (schedule.attention_share), and `follow` keeps the token after one a
-head reads for the next step, which a copying head reads next (SoftFreeze.thaw_successors). The
-defaults (score=attention, tau = 1, k = 2, follow = 0.1), the paper's setting
-(score=raw,tau=0.5,softness=2), the former defaults (score=relative,tau=2,softness=4) and their
-measurements are in docs/softfreeze.md. `history` is the paper's W (None: counts never expire).
-Recovery is minikv's design (recovery.py).
+The paper's rules: `softfreeze:paper` (preset=paper: score=raw, tau=0.5, the paper's Eq. 2 and
+threshold; k = 2 and K = 32 are the defaults already). Decisions (docs/design.md, "softfreeze" and
+"The paper as a preset"): a token frozen in a step keeps its timer that step (schedule.py). The
+prompt is judged once, by the last prompt position's query: the prefill forward generates the
+first token, so it is Algorithm 1's first step, and its line 2 scores every prompt token with
+that query (Algorithm1Layer.prefill). The score: score="raw" is Eq. 2 as it is and
+score="relative" divides it by the mean s over the active tokens (Eq. 2 is unscaled: tau = 0.5
+never fires on SmolLM2). Both rank tokens nearly opposite to the attention on SmolLM2 (a key a
+head ignores has a large negative q.k, so a large |q.k|), so score="attention" (the default,
+minikv's) scores a token by the largest softmax weight any head gives it, times |A|
+(schedule.attention_share), and `follow` keeps the token after one a head reads for the next
+step, which a copying head reads next (SoftFreeze.thaw_successors). The defaults (score=attention,
+tau = 1, k = 2, follow = 0.1), the paper's (score=raw, tau = 0.5, k = 2), the former defaults
+(score=relative, tau = 2, k = 4) and their measurements are in docs/softfreeze.md. `history` is
+the paper's W (None: counts never expire). The paper proposes the recovery ladder (Sec. 3.6)
+and leaves it to future work; its trigger and rungs here are minikv's design (recovery.py).
 """
 from __future__ import annotations
 
@@ -50,6 +55,7 @@ class SoftFreeze(RecoveryLadder, Policy):
     name = "softfreeze"
     max_batch = 1
     kernels = ("attention_relevance",)
+    PAPER = dict(score="raw", tau=0.5)  # Eq. 2 as it is, and Sec. 4.1's tau = 0.50
 
     window: int = param(32, "the paper's K: the most recent tokens, never frozen", low=0)
     tau: float = param(1.0, "relevance threshold: a token with s_j < tau is counted (line 3)", low=0)

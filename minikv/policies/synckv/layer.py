@@ -2,7 +2,12 @@
 
 policy.py holds the paper, the map from Algorithm 1's lines to these methods, and the decisions.
 R-heads keep their full KV on the device; NR-heads read static + dynamic + window slots of the
-device store (bank.py), chosen by their cluster's R-head.
+device store (bank.py), chosen by the R-heads: their own cluster's (nr_reads=cluster) or, as
+Algorithm 1 lines 23-24 write it, the union over every cluster's sets (nr_reads=union).
+
+An NR-head's device slots (with offloading), for each cluster whose sets it reads (one, or all
+N_r under the union): k_static static slots, then k_dyn dynamic slots per cluster; then a ring
+of `ring` = window + m - 1 slots holding the recent window, token t in slot ring_slot(t).
 """
 from __future__ import annotations
 
@@ -21,6 +26,11 @@ if TYPE_CHECKING:
     from .policy import SyncKV
 
 
+def query_heads(kv_heads: list[int], group: int, device) -> torch.Tensor:
+    """The query heads that read the given KV heads (GQA groups of `group`), in order."""
+    return torch.tensor([h * group + g for h in kv_heads for g in range(group)], device=device)
+
+
 class SyncKVLayer(LayerKV):
     def __init__(self, policy: "SyncKV", index: int):
         super().__init__(policy, index)
@@ -29,21 +39,22 @@ class SyncKVLayer(LayerKV):
         self.clusters, self.r_heads = spec["clusters"], spec["r_heads"]  # cluster c: members, R-head
         self.nr_heads = [h for c in self.clusters for h in c if h not in self.r_heads]
         self.nr_cluster = [next(c for c, members in enumerate(self.clusters) if h in members) for h in self.nr_heads]
-        G = cfg.n_groups
-        self.rq = torch.tensor([h * G + g for h in self.r_heads for g in range(G)], device=dev)  # their query heads
-        self.nq = torch.tensor([h * G + g for h in self.nr_heads for g in range(G)], device=dev)
+        self.r_queries = query_heads(self.r_heads, cfg.n_groups, dev)
+        self.nr_queries = query_heads(self.nr_heads, cfg.n_groups, dev)
         Hr, Hn, n = len(self.r_heads), len(self.nr_heads), policy.max_len
-        self.ks, self.kd, self.W, self.R = policy.k_static, policy.k_dyn, policy.window, policy.ring
+        self.k_static, self.k_dyn, self.window, self.ring = policy.k_static, policy.k_dyn, policy.window, policy.ring
+        self.union = policy.nr_reads == "union"  # Algorithm 1 line 23: every cluster's sets
         self.kr = torch.zeros((1, Hr, n, D), dtype=policy.dtype, device=dev)  # R-heads: full KV, device
         self.vr = torch.zeros((1, Hr, n, D), dtype=policy.dtype, device=dev)
-        self.keep = torch.ones(1, Hr, n, dtype=torch.bool, device=dev)  # False: static, never re-selected
+        # per R-head, the tokens it may still choose for its dynamic set: False once static
+        self.selectable = torch.ones(1, Hr, n, dtype=torch.bool, device=dev)
         self.offload = policy.offload and Hn > 0  # False: "w/o initialization", slot = token index
-        # NR-heads' device slots (with offloading): [0, ks) static, [ks, ks + kd) dynamic, then a
-        # ring of R = window + m - 1 slots holding the recent window, token t in slot ks + kd + t % R
-        self.bank = ContextBank(n_heads=Hn, max_len=n, slots=self.ks + self.kd + self.R, head_dim=D, dtype=policy.dtype,
+        n_sets = len(self.clusters) if self.union else 1  # clusters whose sets each NR-head holds
+        self.ring_start = n_sets * (self.k_static + self.k_dyn)
+        self.bank = ContextBank(n_heads=Hn, max_len=n, slots=self.ring_start + self.ring, head_dim=D, dtype=policy.dtype,
                                 tiers=policy.tiers, offload=self.offload, staging=policy.staging)
         self.static = [[] for _ in self.clusters]  # per cluster: token indices, slot order
-        self.dynamic = [[-1] * self.kd for _ in self.clusters]  # per cluster: token held by each dynamic slot
+        self.dynamic = [[-1] * self.k_dyn for _ in self.clusters]  # per cluster: token held by each dynamic slot
         self.read_dynamic, self.read_window = self.dynamic, range(0)  # what the last step read
         self.T = self.length = self.step = 0
         self.start = 0  # the recent window is tokens [start, length); tokens before it are candidates
@@ -55,30 +66,46 @@ class SyncKVLayer(LayerKV):
         and those that have come and gone since the last selection point."""
         return range(self.start, self.length)
 
+    def read_clusters(self, c: int) -> list[int]:
+        """The clusters whose sets an NR-head of cluster c reads: its own, or all (the union)."""
+        return list(range(len(self.clusters))) if self.union else [c]
+
+    def ring_slot(self, t: int) -> int:
+        """The device slot of window token t: the ring after the static and dynamic slots."""
+        return self.ring_start + t % self.ring
+
+    def static_slot(self, g: int, j: int) -> int:
+        """The slot of cluster g's j-th static token (g's sets come g-th under the union)."""
+        return (g if self.union else 0) * self.k_static + j
+
+    def dynamic_slot(self, g: int, j: int) -> int:
+        n_sets = len(self.clusters) if self.union else 1
+        return n_sets * self.k_static + (g if self.union else 0) * self.k_dyn + j
+
+    def read_slots(self, c: int, dynamic=None) -> list[tuple[int, int]]:
+        """(token, slot) an NR-head of cluster c reads: static, dynamic, window, each token once
+        (under the union a token two clusters chose is read from the first slot holding it)."""
+        dynamic = dynamic or self.dynamic
+        pairs = [(t, self.static_slot(g, j)) for g in self.read_clusters(c) for j, t in enumerate(self.static[g])]
+        pairs += [(t, self.dynamic_slot(g, j)) for g in self.read_clusters(c)
+                  for j, t in enumerate(dynamic[g]) if t >= 0]
+        if self.union:
+            seen = set()
+            pairs = [(t, s) for t, s in pairs if not (t in seen or seen.add(t))]
+        pairs += [(t, self.ring_slot(t)) for t in self.window_tokens()]
+        return pairs if self.offload else [(t, t) for t, _ in pairs]
+
     def read_tokens(self, c: int, dynamic=None) -> list[int]:
         """Token indices an NR-head of cluster c reads: static, dynamic, window (disjoint)."""
-        dynamic = (dynamic or self.dynamic)[c]
-        return self.static[c] + [t for t in dynamic if t >= 0] + list(self.window_tokens())
+        return [t for t, _ in self.read_slots(c, dynamic)]
 
     def slot_of(self, t: int, c: int) -> int:
-        if not self.offload:
-            return t
-        if t >= self.start:  # in the window ring
-            return self.ks + self.kd + t % self.R
-        if t in self.static[c]:
-            return self.static[c].index(t)
-        return self.ks + self.dynamic[c].index(t)
+        """The device slot an NR-head of cluster c reads token t from."""
+        return dict(self.read_slots(c))[t]
 
     def nr_index(self) -> torch.Tensor:
         """(1, Hn, N) slots each NR-head reads, -1 padded."""
-        rows = []
-        for c in self.nr_cluster:
-            if self.offload:  # slot numbers without a lookup per token
-                dyn = [self.ks + j for j, t in enumerate(self.dynamic[c]) if t >= 0]
-                win = [self.ks + self.kd + t % self.R for t in self.window_tokens()]
-                rows.append(list(range(len(self.static[c]))) + dyn + win)
-            else:
-                rows.append(self.read_tokens(c))
+        rows = [[s for _, s in self.read_slots(c)] for c in self.nr_cluster]
         n = max(len(r) for r in rows)
         return torch.tensor([[r + [-1] * (n - len(r)) for r in rows]], device=self.kr.device)
 
@@ -90,7 +117,7 @@ class SyncKVLayer(LayerKV):
         self.kr[:, :, :T] = k[:, self.r_heads]
         self.vr[:, :, :T] = v[:, self.r_heads]
         # the first decode step reads the last `window` tokens: the prompt's from start on
-        self.start = max(0, T + 1 - self.W)
+        self.start = max(0, T + 1 - self.window)
         if self.nr_heads:
             k_nr, v_nr = k[0, self.nr_heads], v[0, self.nr_heads]  # (Hn, T, D)
             self.bank.write_prompt(k_nr, v_nr)  # Algorithm 1 line 12: the NR-heads' KV goes whole
@@ -103,20 +130,28 @@ class SyncKVLayer(LayerKV):
         candidates are the tokens before the window (the window's are read at every step anyway)."""
         # q_last (1, Hq, D); k_nr, v_nr (Hn, T, D)
         T, n, backend = self.T, self.start, self.policy.backend
-        q_r = q_last[:, self.rq]
+        q_r = q_last[:, self.r_queries]
         _, lse = decode_attention(q_r, self.kr[:, :, :T], self.vr[:, :, :T], torch.tensor([T], device=q_r.device),
                                   return_lse=True, backend=backend)
         _, top = attention_topk(q_r, self.kr[:, :, :n], lse, torch.tensor([n], device=q_r.device), None,
-                                self.ks + self.kd, backend=backend)
+                                self.k_static + self.k_dyn, backend=backend)
         for c, row in enumerate(top[0].tolist()):
             chosen = [t for t in row if t >= 0]  # best first
-            self.static[c], dyn = chosen[:self.ks], chosen[self.ks:]
-            self.dynamic[c] = dyn + [-1] * (self.kd - len(dyn))
-            self.keep[0, c, self.static[c]] = False
+            self.static[c], dyn = chosen[:self.k_static], chosen[self.k_static:]
+            self.dynamic[c] = dyn + [-1] * (self.k_dyn - len(dyn))
+            self.selectable[0, c, self.static[c]] = False
         if self.offload:  # the NR-heads keep I_0 and the window on the device (Sec. 4.2)
             for j, c in enumerate(self.nr_cluster):
-                tokens = self.read_tokens(c)
-                self.bank.keep_on_device(j, [self.slot_of(t, c) for t in tokens], k_nr[j, tokens], v_nr[j, tokens])
+                tokens, slots = zip(*self.held_slots(c))
+                self.bank.keep_on_device(j, list(slots), k_nr[j, list(tokens)], v_nr[j, list(tokens)])
+
+    def held_slots(self, c: int) -> list[tuple[int, int]]:
+        """(token, slot) of every slot an NR-head of cluster c fills: like read_slots, but a
+        token two clusters chose is in both of their slots."""
+        pairs = [(t, self.static_slot(g, j)) for g in self.read_clusters(c) for j, t in enumerate(self.static[g])]
+        pairs += [(t, self.dynamic_slot(g, j)) for g in self.read_clusters(c)
+                  for j, t in enumerate(self.dynamic[g]) if t >= 0]
+        return pairs + [(t, self.ring_slot(t)) for t in self.window_tokens()]
 
     def decode(self, q, k, v, positions):
         # q (1, Hq, 1, D); k, v (1, Hkv, 1, D)
@@ -124,16 +159,16 @@ class SyncKVLayer(LayerKV):
         L, backend = self.length, self.policy.backend
         q1 = q[:, :, 0]  # (1, Hq, D)
         out = torch.empty_like(q1)
-        q_r = q1[:, self.rq]
+        q_r = q1[:, self.r_queries]
         # line 22: R-heads over their full KV; the lse is their attention's normaliser (Eq. 5)
         out_r, lse_r = decode_attention(q_r, self.kr[:, :, :L], self.vr[:, :, :L], torch.tensor([L], device=q1.device),
                                         return_lse=True, backend=backend)
-        out[:, self.rq] = out_r
+        out[:, self.r_queries] = out_r
         if self.nr_heads:
             self.bank.wait()  # the last fetch has landed
-            # line 24: NR-heads over static + dynamic + window, each head its own slots
-            out[:, self.nq] = gathered_attention(q1[:, self.nq], self.bank.store_k, self.bank.store_v, self.nr_index(),
-                                                 backend=backend)
+            # lines 23-24: NR-heads over static + dynamic (their cluster's, or the union) + window
+            out[:, self.nr_queries] = gathered_attention(q1[:, self.nr_queries], self.bank.store_k, self.bank.store_v,
+                                                         self.nr_index(), backend=backend)
         self.step += 1
         self.read_window = self.window_tokens()  # what this step read (the rest may change below)
         self.read_dynamic = list(self.dynamic)
@@ -149,10 +184,10 @@ class SyncKVLayer(LayerKV):
     def slide_window(self):
         """A selection point: the window shrinks to the last `window` tokens as of the next step;
         the generated tokens that leave it go to the bank (the prompt is there already)."""
-        start = max(self.start, self.length + 1 - self.W)
+        start = max(self.start, self.length + 1 - self.window)
         leaving = range(max(self.start, self.T), start)
         if self.offload and leaving:
-            self.bank.spill(list(leaving), [self.ks + self.kd + t % self.R for t in leaving])
+            self.bank.spill(list(leaving), [self.ring_slot(t) for t in leaving])
         self.start = start
 
     def append(self, k, v):
@@ -165,10 +200,7 @@ class SyncKVLayer(LayerKV):
         self.vr[0, :, p] = v[0, self.r_heads, 0]
         if self.nr_heads:
             k_nr, v_nr = k[0, self.nr_heads, 0], v[0, self.nr_heads, 0]  # (Hn, D)
-            if self.offload:
-                self.bank.push(self.ks + self.kd + p % self.R, k_nr, v_nr)
-            else:
-                self.bank.push(p, k_nr, v_nr)
+            self.bank.push(self.ring_slot(p) if self.offload else p, k_nr, v_nr)
         self.length = p + 1
 
     def anticipate(self, q_r, lse_r):
@@ -177,13 +209,13 @@ class SyncKVLayer(LayerKV):
         # q_r (1, Hr*G, D); lse_r (1, Hr*G): this step's R-head queries and their normalisers
         n = self.start  # the candidates: tokens [0, start), all in the bank
         self.anticipations += 1
-        if self.kd == 0:  # rho = 1: no dynamic set to choose
+        if self.k_dyn == 0:  # rho = 1: no dynamic set to choose
             return
         _, top = attention_topk(q_r, self.kr[:, :, :n], lse_r, torch.tensor([n], device=q_r.device),
-                                self.keep[:, :, :n], self.kd, backend=self.policy.backend)
+                                self.selectable[:, :, :n], self.k_dyn, backend=self.policy.backend)
         moves = []  # (cluster, dynamic slot, token)
         for c, row in enumerate(top[0].tolist()):
-            if len(self.clusters[c]) == 1:
+            if len(self.clusters[c]) == 1 and not self.union:
                 continue  # a cluster of its R-head alone has nobody to serve
             self.dynamic[c] = held = list(self.dynamic[c])  # a new list: read_dynamic keeps the old one
             moves += [(c, j, t) for t, j in refill(held, row)]
@@ -191,8 +223,10 @@ class SyncKVLayer(LayerKV):
             self.fetch(moves)
 
     def fetch(self, moves):
-        """Eq. 7: every NR-head of a moved token's cluster gets the bank's row in the chosen slot."""
-        rows = [(j, t, self.ks + slot) for j, c in enumerate(self.nr_cluster) for cc, slot, t in moves if cc == c]
+        """Eq. 7: every NR-head that reads a moved token's cluster gets the bank's row in that
+        cluster's chosen dynamic slot."""
+        rows = [(j, t, self.dynamic_slot(c, slot)) for j, own in enumerate(self.nr_cluster)
+                for c, slot, t in moves if self.union or c == own]
         self.fetched += len(rows)
         self.bank.fetch(rows)
 
@@ -202,16 +236,23 @@ class SyncKVLayer(LayerKV):
         when every head read every token."""
         L = self.length
         rows = {h: list(range(L)) for h in self.r_heads}
-        rows.update({h: self.static[c] + [t for t in self.read_dynamic[c] if t >= 0] + list(self.read_window)
-                     for h, c in zip(self.nr_heads, self.nr_cluster)})
+        rows.update({h: self.last_read(c) for h, c in zip(self.nr_heads, self.nr_cluster)})
         if all(len(r) == L for r in rows.values()):
             return None
         n = max(len(r) for r in rows.values())
         return torch.tensor([rows[h] + [-1] * (n - len(rows[h])) for h in range(self.cfg.n_kv_heads)])
 
+    def last_read(self, c: int) -> list[int]:
+        """The tokens an NR-head of cluster c read at the last step: static, dynamic, window."""
+        sets = [t for g in self.read_clusters(c) for t in self.static[g]]
+        sets += [t for g in self.read_clusters(c) for t in self.read_dynamic[g] if t >= 0]
+        return list(dict.fromkeys(sets)) + list(self.read_window)
+
     def nr_read(self) -> int:
         """Tokens the NR-heads read at the last step, summed (counted, not listed: end_step asks
         every step)."""
+        if self.union:
+            return len(self.last_read(0)) * len(self.nr_heads) if self.nr_heads else 0
         n_window = len(self.read_window)
         per_cluster = [len(s) + sum(t >= 0 for t in d) + n_window for s, d in zip(self.static, self.read_dynamic)]
         return sum(per_cluster[c] for c in self.nr_cluster)
@@ -235,4 +276,4 @@ class SyncKVLayer(LayerKV):
         return len(self.nr_heads) * self.kr.shape[2] / self.cfg.n_kv_heads if self.offload else 0
 
     def aux_bytes(self) -> tuple[int, int]:
-        return self.keep.numel() * self.keep.element_size(), 0
+        return self.selectable.numel() * self.selectable.element_size(), 0

@@ -13,24 +13,31 @@ NR-heads. Where to read what (Algorithm 1's lines):
     SyncKVLayer.initialize   Eqs. 3-4: I_0 = the top k of the R-head's attention from the last
                              prompt token (kernels/attention_topk), split by rho into the static
                              and the initial dynamic set
-    SyncKVLayer.decode       line 22: R-heads over their full KV; line 24: NR-heads over static
-                             + dynamic + window (kernels/gathered_attention); every m-th step
-                             anticipates, the others are suspension steps (Eq. 8, lines 33-35)
+    SyncKVLayer.decode       line 22: R-heads over their full KV; lines 23-24: NR-heads over
+                             static + dynamic + window (kernels/gathered_attention), the sets of
+                             their own cluster or, nr_reads=union, the union over all clusters
+                             (SyncKVLayer.read_slots); every m-th step anticipates, the others
+                             are suspension steps (Eq. 8, lines 33-35)
     SyncKVLayer.anticipate   Eqs. 5-7, lines 26-31: the R-head's top k_dyn, max-pooled over its
                              GQA group (App. B.1), among the candidates; `fetch` copies them in
     SyncKV.split             k = budget less the window ring's slots, into static and dynamic
 
-Decisions (docs/design.md, "synckv"): the clustering unit is the KV head; Mem% counts R-heads at
-full length. The last `window` tokens, whatever their origin, are read by every head at every
-step; a token leaves the window only at a selection point (`slide_window`), as a candidate, so
-between anticipations the window grows to window + m - 1 tokens and budget = k + window + m - 1.
-NR-heads read their own cluster's sets; the dynamic set is chosen among tokens not on the device
-already. Table 3's ablations: offload=False is "w/o initialization", anticipation=False "w/o
+The paper's rules: `synckv:paper` (preset=paper: wide_layers=0, nr_reads=union). Decisions
+(docs/design.md, "synckv" and "The paper as a preset"): the clustering unit is the KV head; Mem%
+counts R-heads at full length. The last `window` tokens, whatever their origin, are read by every
+head at every step; a token leaves the window only at a selection point (`slide_window`), as a
+candidate, so between anticipations the window grows to window + m - 1 tokens and budget = k +
+window + m - 1. By default NR-heads read their own cluster's sets (Secs. 4.1 and 4.4: they reuse
+the indices of "the R-Head of their cluster"); Algorithm 1 lines 23-24 have every NR-head read the
+union over all clusters' sets, nr_reads=union (an NR-head then reads up to N_r (k_static + k_dyn)
++ window tokens, each token once; at N_r = 1 the two are the same). The dynamic set is chosen
+among the tokens before the window its R-head has not made static, so no token is read twice.
+Table 3's ablations: offload=False is "w/o initialization", anticipation=False "w/o
 anticipation", m=1 "w/o suspension". Beyond the paper, wide_layers gives the layers whose heads
 agree least (by S, Eq. 2) more clusters than n_r (SyncKV.widen; docs/synckv.md measures why). The
 defaults, budget=512 and wide_layers=4 (full KV in the 4 layers whose heads agree least), are
-that variant: on SmolLM2 it keeps natural-text needles and perplexity that the paper's rule loses,
-and on Qwen2.5-Coder it ties the rule (docs/synckv.md). The paper's rule: wide_layers=0.
+that variant: on SmolLM2 it keeps natural-text needles and perplexity that wide_layers=0 loses,
+and on Qwen2.5-Coder it ties it (docs/synckv.md).
 """
 from __future__ import annotations
 
@@ -51,9 +58,11 @@ class SyncKV(Policy):
     name = "synckv"
     max_batch = 1
     kernels = ("attention_topk", "decode_attention", "gathered_attention")
+    PAPER = dict(wide_layers=0, nr_reads="union")  # N_r clusters in every layer; Algorithm 1 line 23
 
     budget: int = param(512, "most tokens a non-representative KV head reads on the device: static + dynamic "
-                             "+ window; capped by the context", low=1)
+                             "+ window (with nr_reads=union, every cluster's static + dynamic); capped by the "
+                             "context", low=1)
     window: int = param(32, "most recent tokens, read by every head at every step (the new token included)", low=1)
     rho: float = param(0.5, "static ratio: the share of k = budget - window slots chosen once (Eq. 4)",
                        low=0.0, high=1.0)
@@ -64,8 +73,11 @@ class SyncKV(Policy):
     anticipation: bool = param(True, "anticipation steps (false: the initial selection only)")
     wide_layers: int = param(4, "layers that take wide_n_r clusters instead of n_r (beyond the paper): the ones "
                                 "whose heads agree least (lowest mean similarity S between heads, Eq. 2); capped "
-                                "by the model's layers; 0: the paper's rule", low=0)
+                                "by the model's layers; 0: N_r clusters in every layer, as the paper", low=0)
     wide_n_r: int = param(0, "clusters per layer in the wide layers (0: one per KV head, full KV there)", low=0)
+    nr_reads: str = param("cluster", "what a non-representative head reads besides the window: its own cluster's "
+                                     "static and dynamic sets (cluster) or the union over every cluster's "
+                                     "(union: Algorithm 1 lines 23-24)", choices=("cluster", "union"))
 
     def __post_init__(self):
         super().__post_init__()
@@ -74,7 +86,6 @@ class SyncKV(Policy):
             slots = "window + m - 1" if self.anticipation else "window"
             raise ValueError(f"budget must be an int > the recent window's slots ({slots} = {self.ring}): static + "
                              f"dynamic + window, got {self.budget!r}")
-        self.k_static, self.k_dyn = self.split(self.budget - self.ring)
 
     def split(self, k: int) -> tuple[int, int]:
         """k selected slots -> (k_static, k_dyn): the split of Eq. 4, with k_dyn = floor((1 - rho) k) as
@@ -83,8 +94,9 @@ class SyncKV(Policy):
         return k - k_dyn, k_dyn
 
     def validate(self, cfg):
-        # neither set holds more than the context: a budget past it costs at most what full KV costs
-        # for each (a selection of k >= the candidates takes them all, capped or not)
+        # k = budget - the ring's slots, split by rho; neither set holds more than the context: a
+        # budget past it costs at most what full KV costs for each (a selection of k >= the
+        # candidates takes them all, capped or not)
         k_static, k_dyn = self.split(self.budget - self.ring)
         self.k_static, self.k_dyn = min(k_static, self.max_len), min(k_dyn, self.max_len)
         if cfg.sliding_window is not None and cfg.sliding_window < self.max_len:
@@ -115,11 +127,15 @@ class SyncKV(Policy):
             more, _ = find_clustering(cfg, wide_n_r, str(self.clustering_file))
         return [more[i] if i in wide else layer for i, layer in enumerate(self.clustering)]
 
+    def allocate_shared(self) -> None:
+        # one pair of staging buffers for all layers (they fetch one after another), as large as the
+        # most (head, token) rows a fetch moves: every NR-head, k_dyn tokens of each cluster it reads
+        n_nr = max(self.cfg.n_kv_heads - len(layer["r_heads"]) for layer in self.clustering)
+        n_sets = max(len(layer["clusters"]) for layer in self.clustering) if self.nr_reads == "union" else 1
+        rows = n_nr * n_sets * self.k_dyn
+        self.staging = Staging((2 * max(1, rows), self.cfg.head_dim), self.dtype, self.tiers) if self.offload else None
+
     def make_layer(self, index: int) -> SyncKVLayer:
-        if index == 0:  # one pair of staging buffers for all layers (they fetch one after another)
-            n_nr = max(self.cfg.n_kv_heads - len(layer["r_heads"]) for layer in self.clustering)
-            rows = n_nr * self.k_dyn  # the most (head, token) rows a fetch moves
-            self.staging = Staging((2 * max(1, rows), self.cfg.head_dim), self.dtype, self.tiers) if self.offload else None
         return SyncKVLayer(self, index)
 
     def aux_bytes(self) -> tuple[int, int]:
