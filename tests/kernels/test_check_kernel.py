@@ -203,3 +203,16 @@ def test_register_backend_refuses_builtin_names_and_unknown_ops():
         register_backend("flash_attention", "mine", my_decode_attention)
     with pytest.raises(ValueError, match="identifier"):
         register_backend("decode_attention", "my,kernel", my_decode_attention)
+
+
+def test_bench_speed_runs_a_registered_backend(counted_backend, capsys):
+    """`bench speed` takes the backend's name in its policy spec (a module registering it is
+    imported in its process): the flags check accepts it, and a short run decodes on it."""
+    from minikv.bench.__main__ import main
+
+    assert main(["--check", "speed", "--policy", "streaming:backend=counted"]) == 0
+    with pytest.raises(ValueError, match="unknown kernel backend 'uncounted'"):
+        main(["--check", "speed", "--policy", "streaming:backend=uncounted"])
+    assert main(["speed", "--threads", "1", "--prompt-lengths", "24", "--new-tokens", "3", "--repeats", "1",
+                 "--warmup", "0", "--device", "cpu", "--policy", "full:backend=counted"]) == 0
+    assert len(counted_backend) > 0 and "full:backend=counted" in capsys.readouterr().out
