@@ -180,7 +180,7 @@ class FreeKV(Policy):
 
     name = "freekv"
     max_batch = 1
-    kernels = ("page_scores", "paged_attention", "page_gather", "page_layout")
+    kernels = ("page_scores", "paged_attention", "page_gather", "page_layout", "decode_attention")  # skip_layers: full
 
     page_size: int = param(32, low=1)
     budget: int = param(256, low=0, multiple_of="page_size")

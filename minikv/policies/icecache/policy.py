@@ -178,7 +178,7 @@ class IceCache(Policy):
 
     name = "icecache"
     max_batch = 1
-    kernels = ("dci_scores", "paged_attention", "page_gather", "page_layout")
+    kernels = ("dci_scores", "paged_attention", "page_gather", "page_layout", "decode_attention")  # skip_layers: full
 
     page_size: int = param(16, low=1)
     budget: int = param(256, low=0, multiple_of="page_size")
