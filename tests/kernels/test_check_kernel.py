@@ -253,3 +253,14 @@ def test_a_policy_declares_every_kernel_it_runs(smollm2, everywhere, name):
              max_new_tokens=4, stop_at_eos=False)
     assert set(everywhere) <= set(policy.kernels), f"{name} ran {dict(everywhere)}, declares {policy.kernels}"
     assert set(everywhere) == set(policy.kernels), f"{name} declares {policy.kernels}, ran {dict(everywhere)}"
+
+
+def test_minikv_testing_without_hypothesis_says_what_to_install():
+    import subprocess
+    import sys
+
+    script = "import sys; sys.modules['hypothesis'] = None; import minikv.testing"  # as if not installed
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1
+    assert p.stderr.strip().splitlines()[-1] == (
+        "ImportError: minikv.testing needs hypothesis: pip install 'minikv[test]' (or pip install hypothesis)")
