@@ -114,7 +114,9 @@ class Policy(ABC):
     def __post_init__(self):
         apply_preset(self)
         check_fields(self)
-        check_backend(self.backend, self.kernels, self.name)  # "reference" stays as given: policies read it for their own forms
+        # refuses a backend the policy does not implement; "reference" stays as given: policies
+        # read it for their own forms
+        check_backend(self.backend, self.kernels, self.name)
         self.cfg: ModelConfig | None = None
         self.layers: list[LayerKV] = []
         self.steps = 0

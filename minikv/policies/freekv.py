@@ -209,7 +209,7 @@ class FreeKV(Policy):
 
     name = "freekv"
     max_batch = 1
-    kernels = ("page_scores", "paged_attention", "page_gather", "page_layout")
+    kernels = ("page_scores", "paged_attention", "page_gather", "page_layout", "decode_attention")  # skip_layers: full
     PAPER = dict(digest="minmax")  # the text's "min-max pooled keys (similar to Quest)"
 
     page_size: int = param(32, low=1)

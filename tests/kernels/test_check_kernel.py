@@ -3,6 +3,7 @@ operation's definition (not from minikv's reference) passes, and each planted bu
 AssertionError that names the input (the operation, its shapes and drawn parameters) and the
 error. Then kernels by name: a registered backend runs a whole policy, and a policy refuses a
 backend it does not implement."""
+import collections
 import functools
 import math
 
@@ -174,9 +175,10 @@ def test_a_registered_backend_runs_a_whole_policy(smollm2, counted_backend, spec
 
 
 def test_policies_refuse_a_backend_they_do_not_implement(counted_backend):
-    with pytest.raises(ValueError, match="policy 'freekv' does not implement backend 'counted'"):
-        make("freekv:backend=counted")
-    assert make("synckv:backend=counted").backend == "counted"  # synckv runs decode_attention
+    with pytest.raises(ValueError, match="policy 'softfreeze' does not implement backend 'counted'"):
+        make("softfreeze:backend=counted")  # it runs attention_relevance only
+    for name in ("synckv", "freekv"):  # decode_attention: synckv's own, freekv's full skip_layers
+        assert make(f"{name}:backend=counted").backend == "counted"
 
 
 def test_a_policy_without_kernels_refuses_triton():
@@ -203,3 +205,62 @@ def test_register_backend_refuses_builtin_names_and_unknown_ops():
         register_backend("flash_attention", "mine", my_decode_attention)
     with pytest.raises(ValueError, match="identifier"):
         register_backend("decode_attention", "my,kernel", my_decode_attention)
+
+
+def test_bench_speed_runs_a_registered_backend(counted_backend, capsys):
+    """`bench speed` takes the backend's name in its policy spec (a module registering it is
+    imported in its process): the flags check accepts it, and a short run decodes on it."""
+    from minikv.bench.__main__ import main
+
+    assert main(["--check", "speed", "--policy", "streaming:backend=counted"]) == 0
+    with pytest.raises(ValueError, match="unknown kernel backend 'uncounted'"):
+        main(["--check", "speed", "--policy", "streaming:backend=uncounted"])
+    assert main(["speed", "--threads", "1", "--prompt-lengths", "24", "--new-tokens", "3", "--repeats", "1",
+                 "--warmup", "0", "--device", "cpu", "--policy", "full:backend=counted"]) == 0
+    assert len(counted_backend) > 0 and "full:backend=counted" in capsys.readouterr().out
+
+
+# budgets below the ~60-token context, so that every policy selects, pages or frees
+SMALL_SPECS = {"full": "full", "streaming": "streaming:sink=4,window=16", "softfreeze": "softfreeze",
+               "freekv": "freekv:page_size=4,budget=32,sink=4,window=8,skip_layers=1",
+               "icecache": "icecache:page_size=4,budget=32,sink=4,window=8",
+               "synckv": "synckv:budget=48,window=8,wide_layers=0"}
+
+
+@pytest.fixture
+def everywhere():
+    """Every operation registered as backend 'everywhere': its reference, counting calls per op."""
+    calls = collections.Counter()
+    for op in kernels.OPS:
+        def counted(*args, op=op, reference=kernels.lookup(op, "reference")):
+            calls[op] += 1
+            return reference(*args)
+        register_backend(op, "everywhere", counted)
+    yield calls
+    for op in kernels.OPS:
+        del kernels._REGISTRY[op]["everywhere"]
+
+
+@pytest.mark.parametrize("name", sorted(SMALL_SPECS))
+def test_a_policy_declares_every_kernel_it_runs(smollm2, everywhere, name):
+    """On a backend that implements every operation, a policy calls exactly operations it
+    declares in `kernels` (so that a backend it accepts is one it runs), and the ones it
+    declares for its own layers (all but full's decode_attention in skip_layers) at least once."""
+    model, tok = smollm2
+    policy = make(SMALL_SPECS[name])
+    spec = f"{SMALL_SPECS[name]}{',' if ':' in SMALL_SPECS[name] else ':'}backend=everywhere"
+    generate(model, tok, "The three primary colours are red, yellow and blue. " * 5, policy=spec,
+             max_new_tokens=4, stop_at_eos=False)
+    assert set(everywhere) <= set(policy.kernels), f"{name} ran {dict(everywhere)}, declares {policy.kernels}"
+    assert set(everywhere) == set(policy.kernels), f"{name} declares {policy.kernels}, ran {dict(everywhere)}"
+
+
+def test_minikv_testing_without_hypothesis_says_what_to_install():
+    import subprocess
+    import sys
+
+    script = "import sys; sys.modules['hypothesis'] = None; import minikv.testing"  # as if not installed
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1
+    assert p.stderr.strip().splitlines()[-1] == (
+        "ImportError: minikv.testing needs hypothesis: pip install 'minikv[test]' (or pip install hypothesis)")

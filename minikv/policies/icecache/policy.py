@@ -190,7 +190,7 @@ class IceCache(Policy):
 
     name = "icecache"
     max_batch = 1
-    kernels = ("dci_scores", "paged_attention", "page_gather", "page_layout")
+    kernels = ("dci_scores", "paged_attention", "page_gather", "page_layout", "decode_attention")  # skip_layers: full
     PAPER = dict(window_offload="before")  # Algorithm 1 lines 16-17: the page leaves before attention
 
     page_size: int = param(16, low=1)
