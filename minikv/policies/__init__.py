@@ -10,3 +10,4 @@ from . import softfreeze  # noqa: F401
 from . import freekv  # noqa: F401
 from . import icecache  # noqa: F401
 from . import synckv  # noqa: F401
+from . import h2o  # noqa: F401
