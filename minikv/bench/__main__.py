@@ -14,6 +14,7 @@ import sys
 
 import minikv.bench as bench_pkg
 from minikv.cli import check_common, run_command
+from minikv.plugins import add_import_argument, import_from_argv
 
 
 def benchmarks() -> dict:
@@ -28,6 +29,7 @@ def benchmarks() -> dict:
 
 
 def main(argv=None) -> int:
+    import_from_argv(argv)  # --import MODULE: its policies in --help, --policy and compare's rows
     parser = argparse.ArgumentParser(prog="python -m minikv.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true",
@@ -39,6 +41,7 @@ def main(argv=None) -> int:
         p = sub.add_parser(name, help=doc, description=module.__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
+        add_import_argument(p)
         p.set_defaults(_module=module)
     args = parser.parse_args(argv)
     check_common(args)

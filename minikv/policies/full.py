@@ -81,6 +81,9 @@ class Full(Policy):
 
     name = "full"
     max_batch = None
+    # the contract matrix's data (base.Policy, "What check_policy reads")
+    covering_spec = "full"
+    prefill_equals_decoding = True
 
     def make_layer(self, index: int) -> FullLayer:
         return FullLayer(self, index)

@@ -178,6 +178,11 @@ class IceCache(Policy):
 
     name = "icecache"
     max_batch = 1
+    # the contract matrix's data (base.Policy, "What check_policy reads")
+    covering_spec = "icecache:page_size=2,budget=160,sink=2,window=4,skip_layers=0"
+    small_spec, small_budget = "icecache:page_size=2,budget=16,sink=2,window=4,skip_layers=0", 16
+    stats_keys = ("pages_recalled", "pages_recalled_per_step", "keys_scored_fraction", "mean_page_fill")
+    offloads = True
 
     page_size: int = param(16, low=1)
     budget: int = param(256, low=0, multiple_of="page_size")

@@ -49,6 +49,12 @@ class SoftFreeze(RecoveryLadder, Policy):
 
     name = "softfreeze"
     max_batch = 1
+    # the contract matrix's data (base.Policy, "What check_policy reads")
+    covering_spec = "softfreeze:tau=0"  # nothing is below relevance 0: nothing freezes
+    small_spec = "softfreeze:softness=1"  # no budget: it freezes by relevance, from the first step on
+    stats_keys = ("compression", "total_tokens", "freezes", "thaws", "spikes", "rewalks", "recovered_tokens")
+    offloads = True
+    reports_attended = False  # attended_indices() answers None though frozen tokens are not read
 
     window: int = param(32, "the paper's K: the most recent tokens, never frozen", low=0)
     tau: float = param(1.0, "relevance threshold: a token with s_j < tau is counted (line 3)", low=0)
