@@ -161,10 +161,14 @@ def _prefill(model, ids, spec, where):
 
 
 def _same_tokens(model, ids, spec, new, where):
-    default = _greedy(model, ids, spec, new)
-    reference = _greedy(model, ids, _with(spec, backend="reference"), new)
+    """backend=reference decodes the default's tokens, and keeps as many on each tier."""
+    default, d = _greedy(model, ids, spec, new)
+    reference, r = _greedy(model, ids, _with(spec, backend="reference"), new)
     if reference != default:
         _fail(where, f"reference: backend=reference decodes {reference}, the default backend {default} ({spec})")
+    for key in ("device_tokens", "host_tokens"):
+        if r[key] != d[key]:
+            _fail(where, f"reference: {key} is {r[key]} with backend=reference, {d[key]} with the default ({spec})")
 
 
 def _refusals(cls):
@@ -241,14 +245,14 @@ def _check_budget(policy, budget, where, spec):
         _fail(where, f"budget: a decode step of {spec} read {most} tokens for one KV head (declared small_budget {budget})")
 
 
-def _greedy(model, ids, spec, new) -> list[int]:
+def _greedy(model, ids, spec, new) -> tuple[list[int], dict]:
     policy = make(spec).bind(model.cfg, device="cpu", dtype=torch.float32, max_len=ids.shape[1] + new)
     T, tokens = ids.shape[1], []
     nxt = model(ids, policy=policy)[:, -1].argmax(-1)
     for t in range(T, T + new - 1):
         tokens.append(int(nxt))
         nxt = model(nxt[:, None], positions=torch.tensor([[t]]), policy=policy)[:, -1].argmax(-1)
-    return tokens + [int(nxt)]
+    return tokens + [int(nxt)], policy.stats()
 
 
 class _Recorder:
