@@ -56,7 +56,7 @@ PRESETS = {
              "long_steps": 64},
     # smoke: does a new policy run through every task and the long pass? About a minute per row on one
     # thread; two instances per task rank nothing (its output says so)
-    "smoke": {"length": 512, "seeds": [0, 1], "haystacks": ["noise"], "long_prompt": 1024, "long_steps": 16,
+    "smoke": {"length": 768, "seeds": [0, 1], "haystacks": ["noise"], "long_prompt": 1024, "long_steps": 16,
               "budgets": [128]},
 }
 BUDGETS = [64, 128, 256, 512]

@@ -19,7 +19,8 @@ are the heavy hitters. Each KV head keeps its own set. Where to read what:
 
 Decisions (the paper is silent): the budget counts what attention reads, G_i, new token included,
 so the cache keeps k = budget - 1 between steps; eviction runs after attending, as in Algorithm 1.
-GQA: a KV head's accumulated score sums the attention of the query heads of its group (the mass
+The window defaults to half the cache, (budget - 1) // 2, as the paper's experiments split it
+evenly between recent tokens and heavy hitters. GQA: a KV head's accumulated score sums the attention of the query heads of its group (the mass
 the group put on the token; the ranking is the mean's). window=0 is Algorithm 1 alone, where even
 the new token may leave. The prefill does not replay Algorithm 1 token by token: prompts longer
 than the cache keep what full attention over the prompt valued, so prefill and token-by-token
@@ -164,8 +165,9 @@ class H2O(Policy):
 
     budget: int = param(256, "most tokens per KV head per layer that attention reads, the new token included: "
                              "the cache keeps budget - 1 between steps; capped by the context", low=2)
-    window: int = param(128, "most recent tokens never evicted (the rest of the cache: heavy hitters; 0: "
-                             "Algorithm 1 alone)", low=0)
+    window: int | None = param(None, "most recent tokens never evicted, the rest of the cache being heavy hitters "
+                                     "(none: half of it, (budget - 1) // 2, the paper's even split; 0: Algorithm 1 "
+                                     "alone)", low=0)
 
     # the contract matrix's data (base.Policy, "What check_policy reads")
     covering_spec = "h2o:budget=1000000"
@@ -177,6 +179,8 @@ class H2O(Policy):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.window is None:
+            self.window = (self.budget - 1) // 2
         if self.window > self.budget - 1:
             raise ValueError(f"policy 'h2o': window must be <= budget - 1 = {self.budget - 1} (the cache keeps "
                              f"budget - 1 tokens between steps), got {self.window}")
