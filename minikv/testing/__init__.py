@@ -2,6 +2,7 @@
 
     check_policy(spec_or_class)   the policy contract matrix (policies.py; docs/extending.md)
 """
-from .policies import FAMILIES, PolicyContractError, check_policy, tiny_model
+from .models import FAMILIES, tiny_model
+from .policies import PolicyContractError, check_policy
 
 __all__ = ["FAMILIES", "PolicyContractError", "check_policy", "tiny_model"]

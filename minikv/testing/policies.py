@@ -31,47 +31,18 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig
 from ..kernels import BACKENDS, check_backend
-from ..models import build_model
 from ..policies.base import Policy, _REGISTRY, discover, make, parameters
 from ..policies.params import value_type
+from .models import FAMILIES, tiny_model
 
 PROMPT, NEW = 80, 40  # tokens of the tiny models' runs: 120 of their 128 positions
 BASE_STATS = ("policy", "device_tokens", "host_tokens", "device_tokens_peak", "kv_bytes_read_per_step",
               "device_bytes", "host_bytes", "device_bytes_allocated", "host_bytes_allocated", "bytes_to_host",
               "bytes_to_device", "device_tokens_per_layer", "host_tokens_per_layer")
 
-# one tiny config per family minikv loads (as reference/models/ holds them): GQA, q/k/v bias, partial
-# rotary with a parallel residual, a sliding window
-_COMMON = {"num_hidden_layers": 2, "max_position_embeddings": 128, "tie_word_embeddings": False}
-FAMILIES = {
-    "llama_gqa": {"model_type": "llama", "vocab_size": 97, "hidden_size": 72, "intermediate_size": 144,
-                  "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 8},
-    "qwen2_bias": {"model_type": "qwen2", "vocab_size": 113, "hidden_size": 40, "intermediate_size": 80,
-                   "num_attention_heads": 5, "num_key_value_heads": 5, "rope_theta": 1e6},
-    "gpt_neox": {"model_type": "gpt_neox", "vocab_size": 107, "hidden_size": 80, "intermediate_size": 160,
-                 "num_attention_heads": 5, "rotary_pct": 0.25, "use_parallel_residual": True, "hidden_act": "gelu",
-                 "attention_bias": True},
-    "mistral_swa": {"model_type": "mistral", "vocab_size": 131, "hidden_size": 48, "intermediate_size": 96,
-                    "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 12, "sliding_window": 8},
-}
-
-
 class PolicyContractError(AssertionError):
     """A policy broke the contract: the message names the check, the model and the spec."""
-
-
-def tiny_model(family: str, seed: int = 0):
-    """A two-layer model of `family` (FAMILIES) with random weights, float32 on the CPU."""
-    cfg = ModelConfig.from_dict({**_COMMON, **FAMILIES[family]}, source=f"minikv.testing {family}")
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = build_model(cfg)
-        for name, p in model.named_parameters():  # sharper attention than the default init: choices matter
-            if p.dim() == 2 and "embed" not in name:
-                p.data.mul_(2.0)
-    return model.eval()
 
 
 def check_policy(spec_or_class, *, families=tuple(FAMILIES), smollm2="auto", backends=None) -> dict:
