@@ -35,6 +35,7 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="check the benchmark's flags (policy specs, device, model path, ...) and exit "
                              "without loading the model or running anything")
+    add_import_argument(parser)  # before the benchmark's name, or after it (below)
     sub = parser.add_subparsers(dest="benchmark", required=True)
     for name, module in sorted(benchmarks().items()):
         doc = (module.__doc__ or name).strip().splitlines()[0]
