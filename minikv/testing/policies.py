@@ -72,7 +72,7 @@ def check_policy(spec_or_class, *, families=tuple(FAMILIES), smollm2="auto", bac
                 ran.setdefault(check, []).append(family)
             if family == families[0]:
                 for backend in _backends(cls, backends):
-                    steps = 3 if backend == "triton" else NEW
+                    steps = 1 if backend == "triton" else NEW  # the interpreter: seconds per step
                     _run(model, ids[:, :PROMPT + steps], _with(spec, backend=backend), f"{where}, backend={backend}",
                          attended=cls.reports_attended)
                     ran.setdefault("attended", []).append(f"{family}, backend={backend}")
