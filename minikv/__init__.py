@@ -27,6 +27,7 @@ from .generate import BatchResults, GenerationResult, generate  # noqa: E402
 from .loading import load, load_model  # noqa: E402
 from .policies import available as available_policies  # noqa: E402
 from .policies import make as make_policy  # noqa: E402
+from .policies import Policy, LayerKV, register_policy  # noqa: E402
 
-__all__ = ["BatchResults", "GenerationResult", "ModelConfig", "generate", "available_policies", "load", "load_model", "make_policy"]
+__all__ = ["BatchResults", "GenerationResult", "ModelConfig", "generate", "available_policies", "load", "load_model", "make_policy", "Policy", "LayerKV", "register_policy"]
 __version__ = "0.1.0"

@@ -15,6 +15,7 @@ import sys
 
 import minikv.bench as bench_pkg
 from minikv.cli import check_common, check_output_paths, run_command
+from minikv.plugins import add_import_argument, import_from_argv
 
 
 def benchmarks() -> dict:
@@ -29,17 +30,20 @@ def benchmarks() -> dict:
 
 
 def main(argv=None) -> int:
+    import_from_argv(argv)  # --import MODULE: its policies in --help, --policy and compare's rows
     parser = argparse.ArgumentParser(prog="python -m minikv.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true",
                         help="check the benchmark's flags (policy specs, device, model path, ...) and exit "
                              "without loading the model or running anything")
+    add_import_argument(parser)  # before the benchmark's name, or after it (below)
     sub = parser.add_subparsers(dest="benchmark", required=True)
     for name, module in sorted(benchmarks().items()):
         doc = (module.__doc__ or name).strip().splitlines()[0]
         p = sub.add_parser(name, help=doc, description=module.__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
+        add_import_argument(p)
         p.set_defaults(_module=module)
     args = parser.parse_args(argv)
     check_common(args)

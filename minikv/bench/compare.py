@@ -4,6 +4,7 @@
     python -m minikv.bench compare --preset full --threads 1 --out compare/ --include kvpress.json
     python -m minikv.bench compare --policy freekv --budget 128 --tasks niah_single_1 vt
     python -m minikv.bench compare --from compare/compare.json --include kvpress.json --out compare/
+    python -m minikv.bench compare --import my_policy --policy mine --preset smoke --threads 1
 
 Every registered policy runs (full is the reference and always runs). A policy that takes a
 `budget` parameter runs once per --budget (tokens per KV head that attention reads on the device);
@@ -56,6 +57,10 @@ PRESETS = {
     # per task and haystack, so that a 95% interval is about +-20 points at worst, not +-50
     "full": {"length": 4096, "seeds": list(range(20)), "haystacks": ["noise", "pydoc"], "long_prompt": 8000,
              "long_steps": 64},
+    # smoke: does a new policy run through every task and the long pass? About a minute per row on one
+    # thread; two instances per task rank nothing (its output says so)
+    "smoke": {"length": 768, "seeds": [0, 1], "haystacks": ["noise"], "long_prompt": 1024, "long_steps": 16,
+              "budgets": [128]},
 }
 BUDGETS = [64, 128, 256, 512]
 
@@ -63,7 +68,8 @@ BUDGETS = [64, 128, 256, 512]
 def add_arguments(p) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default="quick", help="sizes of the run (default quick)")
     p.add_argument("--policy", action="append", help="policy spec, repeatable (default: every registered policy)")
-    p.add_argument("--budget", type=int, action="append", help=f"budget, repeatable (default {BUDGETS})")
+    p.add_argument("--budget", type=int, action="append",
+                   help=f"budget, repeatable (default {BUDGETS}; --preset smoke: {PRESETS['smoke']['budgets']})")
     p.add_argument("--tasks", nargs="+", help=f"task subset (default all): {' '.join(task_names())} long")
     p.add_argument("--length", type=int, help="task prompt length in tokens (preset's)")
     p.add_argument("--seeds", type=int, nargs="+", help="task instances per task, by seed (preset's)")
@@ -182,7 +188,7 @@ def settings_of(args) -> dict:
     unknown = [t for t in tasks if t not in task_names() + ["long"]]
     if unknown:
         raise ValueError(f"unknown task(s) {', '.join(unknown)}; tasks: {' '.join(task_names())} long")
-    budgets = args.budget or BUDGETS
+    budgets = args.budget or preset.get("budgets", BUDGETS)
     if any(b < 1 for b in budgets):
         raise ValueError("budgets must be positive")
     s = {"preset": args.preset, "tasks": tasks, "budgets": sorted(set(budgets)), "chat": not args.no_chat,

@@ -151,6 +151,9 @@ def markdown(result: dict) -> str:
              f"budget = tokens per KV head attention reads on the device ('own': the policy's defaults). "
              f"KV mean/peak: device tokens per KV head really read, over the tasks; Mem%: mean as a share of full KV. "
              f"TPOT x full: time per output token at the long prompt over full KV's, same run. " + _runs(result)]
+    if s.get("preset") == "smoke":
+        parts.insert(0, "**Smoke run** (--preset smoke): every row ran through every task and the long pass, on "
+                        "too few instances to rank anything; compare policies with --preset quick or full.")
     for title, key, tasks in GROUPS:
         keys = sorted({k for r in rows for k in (r.get("scores") or {})}, key=lambda k: (base_task(k), k))
         present = [k for t in tasks for k in keys if base_task(k) == t]

@@ -17,6 +17,7 @@ import torch
 
 from . import DEFAULT_MAX_NEW_TOKENS, check_sampling, decode_bandwidth, generate
 from ..cli import check_common, check_output_paths, check_positive, dumps, run_command, stdout_reader_gone
+from ..plugins import add_import_argument, import_from_argv
 
 DEFAULT_THREADS = 1  # see --threads
 
@@ -70,6 +71,7 @@ def parse_args(argv=None):
     p.add_argument("--stats", action="store_true", help="also print the full table of speed and KV-cache statistics")
     p.add_argument("--quiet", action="store_true", help="no summary line on stderr")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of streaming text")
+    add_import_argument(p)
     return p.parse_args(argv)
 
 
@@ -203,6 +205,7 @@ def print_stats(stats: dict) -> None:
 
 
 def main(argv=None) -> int:
+    import_from_argv(argv)  # --import MODULE: its policies in --help and --policy
     args = parse_args(argv)
     prompt = check_args(args)
     torch.set_num_threads(args.threads)

@@ -91,6 +91,11 @@ class LayerKV(ABC):
         recall (the share of full attention's mass a policy keeps) is measured against."""
         return None
 
+    def budget_heads(self) -> range | list[int]:
+        """The KV heads whose reads the policy's budget bounds (synckv: not its representative
+        heads, which keep full KV). check_policy holds these to the declared small budget."""
+        return range(self.cfg.n_kv_heads)
+
 
 @dataclass(eq=False, kw_only=True)
 class Policy(ABC):
@@ -105,6 +110,24 @@ class Policy(ABC):
     # the kernel operations (minikv/kernels/<op>) the policy runs with its backend: they decide
     # which backends it implements (kernels.policy_backends; none: reference and eager only)
     kernels: ClassVar[tuple[str, ...]] = ()
+
+    # -- What check_policy reads (minikv.testing, the contract matrix): declared by each policy --
+    # covering_spec: a spec whose budget covers any context of the tiny models (120 tokens), with
+    #   small pages where it pages, so that KV really moves: it must give full KV's logits
+    covering_spec: ClassVar[str | None] = None
+    # small_spec, small_budget: a spec well below that context, and the most tokens per KV head
+    #   (of budget_heads) any decode step's attention may read under it (None: no budget)
+    small_spec: ClassVar[str | None] = None
+    small_budget: ClassVar[int | None] = None
+    # stats_keys: the keys stats() adds to the base ones
+    stats_keys: ClassVar[tuple[str, ...]] = ()
+    # offloads: at small_spec KV crosses to the host tier (and what comes back must be bit for bit)
+    offloads: ClassVar[bool] = False
+    # prefill_equals_decoding: the prompt's logits equal those of feeding it one token at a time
+    prefill_equals_decoding: ClassVar[bool] = False
+    # reports_attended: attended_indices() names what each decode step read, keys as the layer was
+    #   given them (False: it answers None though it may read less, or it re-rotates keys)
+    reports_attended: ClassVar[bool] = True
 
     PAPER: ClassVar[dict] = {}  # the parameter values of the paper's rules, which preset=paper selects
 
@@ -157,6 +180,12 @@ class Policy(ABC):
 
     @abstractmethod
     def make_layer(self, index: int) -> LayerKV: ...
+
+    @classmethod
+    def spec_for_model(cls, spec: str, cfg: ModelConfig, workdir) -> str:
+        """The spec check_policy runs on a model it builds: `spec` itself, unless the policy needs
+        a file made for that model (synckv: a head clustering), which it writes into workdir."""
+        return spec
 
     def layer(self, index: int) -> LayerKV:
         return self.layers[index]
@@ -234,11 +263,32 @@ _REGISTRY: dict[str, type[Policy]] = {}
 
 
 def register(cls: type[Policy]) -> type[Policy]:
+    """Class decorator: make a Policy subclass available by its `name` to make(), --policy,
+    bench compare and minikv.hf (public as minikv.register_policy; docs/extending.md). A policy
+    is a dataclass: write @register_policy above @dataclass(eq=False, kw_only=True)."""
+    if not (isinstance(cls, type) and issubclass(cls, Policy)):
+        raise TypeError(f"register_policy takes a subclass of minikv.policies.Policy, got {cls!r}")
+    if not cls.name or not cls.name.replace("_", "").isalnum():
+        raise ValueError(f"{cls.__name__}.name must be a word (letters, digits, _), got {cls.name!r}")
+    old = _REGISTRY.get(cls.name)
+    if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise ValueError(f"policy name {cls.name!r} is taken by {old.__module__}.{old.__qualname__}")
     _REGISTRY[cls.name] = cls
     return cls
 
 
+register_policy = register
+
+
+def discover() -> None:
+    """Import the policies installed packages declare (entry-point group minikv.policies), once."""
+    from ..plugins import load_entry_points
+
+    load_entry_points()
+
+
 def available() -> list[str]:
+    discover()
     return sorted(_REGISTRY)
 
 
@@ -261,6 +311,8 @@ def make(spec: "str | Policy", **overrides) -> Policy:
         raise ValueError(f"a policy spec is a non-empty string like 'streaming:sink=4', got {spec!r}")
     name, _, rest = spec.strip().partition(":")
     name = name.strip()
+    if name not in _REGISTRY:
+        discover()
     if name not in _REGISTRY:
         raise ValueError(f"unknown policy {name!r}; available: {', '.join(available())}")
     cls = _REGISTRY[name]

@@ -211,6 +211,11 @@ class FreeKV(Policy):
     max_batch = 1
     kernels = ("page_scores", "paged_attention", "page_gather", "page_layout", "decode_attention")  # skip_layers: full
     PAPER = dict(digest="minmax")  # the text's "min-max pooled keys (similar to Quest)"
+    # the contract matrix's data (base.Policy, "What check_policy reads")
+    covering_spec = "freekv:page_size=4,budget=160,sink=4,window=8"
+    small_spec, small_budget = "freekv:page_size=4,budget=24,sink=4,window=8", 24
+    stats_keys = ("correction_rate", "pages_recalled", "pages_recalled_per_step", "speculative_exact_rate")
+    offloads = True
 
     page_size: int = param(32, low=1)
     budget: int = param(256, low=0, multiple_of="page_size")

@@ -82,6 +82,9 @@ class Full(Policy):
     name = "full"
     max_batch = None
     kernels = ("decode_attention",)
+    # the contract matrix's data (base.Policy, "What check_policy reads")
+    covering_spec = "full"
+    prefill_equals_decoding = True
 
     def make_layer(self, index: int) -> FullLayer:
         return FullLayer(self, index)

@@ -221,6 +221,12 @@ class Streaming(Policy):
     name = "streaming"
     max_batch = 1  # one sequence: every row would need its own prune schedule and cache positions
     kernels = ("decode_attention", "rope_delta")
+    # the contract matrix's data (base.Policy, "What check_policy reads")
+    covering_spec = "streaming:sink=4,window=90"  # prunes past sink + window + R = 126 > 120 tokens
+    small_spec, small_budget = "streaming:sink=4,window=24", 4 + 24 + 32  # sink + window + R
+    stats_keys = ("budget", "cache_length", "prune_events", "tokens_dropped", "compactions")
+    prefill_equals_decoding = True  # the prefill replays Algorithm 1
+    reports_attended = False  # keys re-rotate as they move (Eq. 4): not the keys the layer was given
 
     sink: int = param(4, low=0)
     window: int | None = param(None, "most recent tokens kept, the paper's W (none: 2044, or budget - sink - R)",
@@ -265,6 +271,9 @@ class Streaming(Policy):
             super().check_length(cfg, max_len)
 
     def validate(self, cfg) -> None:
+        if cfg.sliding_window is not None and cfg.sliding_window < self.max_len:
+            # the sinks sit outside any sliding window: attention here would not be the model's
+            raise ValueError("streaming does not combine with a sliding-window model (Mistral) shorter than max_len")
         if self.R and self.budget > cfg.max_position_embeddings:
             raise ValueError(
                 f"streaming: sink + window + R = {self.budget} exceeds the model's context of "

@@ -222,22 +222,18 @@ def test_skip_layers_keep_full_kv(device):
         make("freekv:skip_layers=3").bind(TINY, device=device, dtype=torch.float32, max_len=90)
 
 
-def test_smollm2_full_budget_equals_full_and_retrieval_stats(smollm2):
-    """SmolLM2, ~330 prompt tokens: a budget covering the context gives full KV's logits; a 128
-    token budget retrieves (pages recalled, speculation counted, budget held)."""
+def test_smollm2_retrieval_stats(smollm2):
+    """SmolLM2, ~330 prompt tokens: a 128 token budget retrieves (pages recalled, speculation
+    counted, budget held). A covering budget giving full KV's logits: test_contract's matrix."""
     model, tok = smollm2
     ids = torch.tensor([tok.encode(ITEMS_PROMPT)])
     T = ids.shape[1]
     assert 250 < T < 500
-    logits = {}
-    for spec in ("full", "freekv:budget=512", "freekv:budget=128"):
-        logits[spec], policy = greedy_logits(model, ids, spec, 5)
-        if spec == "freekv:budget=128":
-            s = policy.stats()
-            assert s["device_tokens_peak"] <= 128 and s["host_tokens"] >= T - 128 - 32
-            assert s["pages_recalled"] > 0 and 0 <= s["correction_rate"] <= 1
-            assert 0 <= s["speculative_exact_rate"] <= 1
-    torch.testing.assert_close(logits["freekv:budget=512"], logits["full"], rtol=1e-4, atol=1e-4)
+    _, policy = greedy_logits(model, ids, "freekv:budget=128", 5)
+    s = policy.stats()
+    assert s["device_tokens_peak"] <= 128 and s["host_tokens"] >= T - 128 - 32
+    assert s["pages_recalled"] > 0 and 0 <= s["correction_rate"] <= 1
+    assert 0 <= s["speculative_exact_rate"] <= 1
 
 
 def test_smollm2_retrieves_a_passkey_that_a_window_of_the_same_budget_loses(smollm2):

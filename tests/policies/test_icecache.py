@@ -232,28 +232,24 @@ def test_reuse_layers_share_the_anchor_tree_and_selection(device):
     assert policy.layers[3].forest is policy.layers[2].forest
 
 
-def test_smollm2_full_budget_equals_full_and_retrieval_stats(smollm2):
-    """SmolLM2, ~330 prompt tokens: a budget covering the context gives full KV's logits; a 96
-    token budget (sink 32, window 32, two retrieved pages) searches the trees (keys scored,
-    pages recalled, budget held)."""
+def test_smollm2_retrieval_stats(smollm2):
+    """SmolLM2, ~330 prompt tokens: a 96 token budget (sink 32, window 32, two retrieved pages)
+    searches the trees (keys scored, pages recalled, budget held). A covering budget giving full
+    KV's logits, and backend=reference decoding the default's tokens: test_contract's matrix."""
     model, tok = smollm2
     ids = torch.tensor([tok.encode(ITEMS_PROMPT)])
     T = ids.shape[1]
     assert 250 < T < 500
-    logits = {}
-    for spec in ("full", "icecache:budget=512", "icecache:budget=96"):
-        logits[spec], policy = greedy_logits(model, ids, spec, 5)
-        if spec == "icecache:budget=96":
-            s = policy.stats()
-            assert s["device_tokens_peak"] <= (96 * 28 + 2 * (T + 5)) / 30  # 28 icecache layers, 2 full
-            assert max(s["device_tokens_per_layer"][2:]) <= 96
-            assert s["host_tokens"] >= (T - 64) * 28 / 30 - 16
-            assert s["pages_recalled"] > 0 and 0 < s["keys_scored_fraction"] <= 1
-            assert 0 < s["mean_page_fill"] <= 1
-            read = policy.layers[10].attended_indices()
-            assert read.shape[0] == 3 and ((read >= 0).sum(1) <= 96).all()
-            assert policy.layers[0].attended_indices() is None
-    torch.testing.assert_close(logits["icecache:budget=512"], logits["full"], rtol=1e-4, atol=1e-4)
+    _, policy = greedy_logits(model, ids, "icecache:budget=96", 5)
+    s = policy.stats()
+    assert s["device_tokens_peak"] <= (96 * 28 + 2 * (T + 5)) / 30  # 28 icecache layers, 2 full
+    assert max(s["device_tokens_per_layer"][2:]) <= 96
+    assert s["host_tokens"] >= (T - 64) * 28 / 30 - 16
+    assert s["pages_recalled"] > 0 and 0 < s["keys_scored_fraction"] <= 1
+    assert 0 < s["mean_page_fill"] <= 1
+    read = policy.layers[10].attended_indices()
+    assert read.shape[0] == 3 and ((read >= 0).sum(1) <= 96).all()
+    assert policy.layers[0].attended_indices() is None
 
 
 def test_smollm2_retrieves_a_passkey_with_a_small_budget(smollm2):
@@ -294,18 +290,3 @@ def test_gqa_merge_reference_backend(case):
     exhaustive parameters, selects the oracle's pages."""
     case.update(steps=min(case["steps"], 4), T=min(case["T"], 60))
     run_against_oracle(case, backend="reference")
-
-
-def test_smollm2_reference_backend_decodes_the_same_tokens(smollm2):
-    """SmolLM2, ~330 prompt tokens, a 96-token budget (sink 32, window 32, two retrieved pages of
-    ~16 in each tree): backend=reference, Algorithms 3-4 as loops, greedy-decodes the same tokens
-    as the default backend, and both searched (keys scored, pages recalled)."""
-    from minikv.generate import generate
-
-    model, tok = smollm2
-    ids = tok.encode(ITEMS_PROMPT)
-    runs = {b: generate(model, tok, ids, policy=f"icecache:budget=96,backend={b}", max_new_tokens=6,
-                        stop_at_eos=False) for b in ("eager", "reference")}
-    assert runs["reference"].token_ids == runs["eager"].token_ids
-    for r in runs.values():
-        assert r.stats["pages_recalled"] > 0 and 0 < r.stats["keys_scored_fraction"] <= 1

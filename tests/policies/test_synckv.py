@@ -213,9 +213,9 @@ def test_the_prompts_last_tokens_are_read_by_every_head_from_the_first_step(tiny
     assert layer.host_tokens() == 2 * T / 3  # the bank still holds the whole prompt
 
 
-def test_smollm2_full_budget_equals_full_and_small_budget_anticipates(smollm2):
-    """SmolLM2 with the shipped clustering, ~330 prompt tokens, 6 steps: a budget covering the
-    context gives full KV's logits; the paper's rule (wide_layers=0) at budget 96 reads at most 96
+def test_smollm2_small_budget_anticipates(smollm2):
+    """SmolLM2 with the shipped clustering, ~330 prompt tokens, 6 steps (a budget covering the
+    context giving full KV's logits: test_contract's matrix): the paper's rule (wide_layers=0) at budget 96 reads at most 96
     tokens per NR-head, the last 32 tokens among them (the recent window, prompt tail included),
     fetches at every 5th step and keeps Mem% = (1 + 2 * read / L) / 3 (one R-head of 3 KV heads at
     full length); the default also keeps the 4 layers whose heads agree least whole."""
@@ -227,7 +227,7 @@ def test_smollm2_full_budget_equals_full_and_small_budget_anticipates(smollm2):
     L = T + 6
     assert 250 < T < 500
     logits = {}
-    for spec in ("full", "synckv:budget=544", "synckv:budget=96,wide_layers=0", "synckv:budget=96"):
+    for spec in ("synckv:budget=96,wide_layers=0", "synckv:budget=96"):
         logits[spec], policy = greedy_logits(model, ids, spec, 6)
         if spec.startswith("synckv:budget=96"):
             s = policy.stats()
@@ -241,7 +241,6 @@ def test_smollm2_full_budget_equals_full_and_small_budget_anticipates(smollm2):
             for layer in policy.layers:  # every NR-head read the last 32 tokens, the prompt's last 26 among them
                 rows = layer.attended_indices()
                 assert all(set(range(L - 32, L)) <= set(rows[h].tolist()) for h in layer.nr_heads)
-    torch.testing.assert_close(logits["synckv:budget=544"], logits["full"], rtol=1e-4, atol=1e-4)
 
 
 def test_every_head_an_r_head_is_full_kv(tmp_path):

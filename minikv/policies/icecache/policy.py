@@ -192,6 +192,11 @@ class IceCache(Policy):
     max_batch = 1
     kernels = ("dci_scores", "paged_attention", "page_gather", "page_layout", "decode_attention")  # skip_layers: full
     PAPER = dict(window_offload="before")  # Algorithm 1 lines 16-17: the page leaves before attention
+    # the contract matrix's data (base.Policy, "What check_policy reads")
+    covering_spec = "icecache:page_size=2,budget=160,sink=2,window=4,skip_layers=0"
+    small_spec, small_budget = "icecache:page_size=2,budget=16,sink=2,window=4,skip_layers=0", 16
+    stats_keys = ("pages_recalled", "pages_recalled_per_step", "keys_scored_fraction", "mean_page_fill")
+    offloads = True
 
     page_size: int = param(16, low=1)
     budget: int = param(256, low=0, multiple_of="page_size")

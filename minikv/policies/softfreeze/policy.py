@@ -56,6 +56,12 @@ class SoftFreeze(RecoveryLadder, Policy):
     max_batch = 1
     kernels = ("attention_relevance",)
     PAPER = dict(score="raw", tau=0.5)  # Eq. 2 as it is, and Sec. 4.1's tau = 0.50
+    # the contract matrix's data (base.Policy, "What check_policy reads")
+    covering_spec = "softfreeze:tau=0"  # nothing is below relevance 0: nothing freezes
+    small_spec = "softfreeze:softness=1"  # no budget: it freezes by relevance, from the first step on
+    stats_keys = ("compression", "total_tokens", "freezes", "thaws", "spikes", "rewalks", "recovered_tokens")
+    offloads = True
+    reports_attended = False  # attended_indices() answers None though frozen tokens are not read
 
     window: int = param(32, "the paper's K: the most recent tokens, never frozen", low=0)
     tau: float = param(1.0, "relevance threshold: a token with s_j < tau is counted (line 3)", low=0)

@@ -231,6 +231,9 @@ class SyncKVLayer(LayerKV):
         self.bank.fetch(rows)
 
     # -- what was read, and where it lives --------------------------------------------------------
+    def budget_heads(self):
+        return self.nr_heads  # the R-heads keep full KV: the budget bounds the others
+
     def attended_indices(self) -> torch.Tensor | None:
         """(Hkv, n) int64 token indices the last decode step read per KV head, -1 padded; None
         when every head read every token."""

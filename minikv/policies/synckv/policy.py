@@ -41,12 +41,14 @@ and on Qwen2.5-Coder it ties it (docs/synckv.md).
 """
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from dataclasses import dataclass
 
 from ..base import Policy, param, register
 from ..pool import Staging
-from .clusters import find_clustering, least_agreeing_layers, read_similarity
+from .clusters import FORMAT, config_sha256, find_clustering, least_agreeing_layers, read_similarity
 from .layer import SyncKVLayer
 
 
@@ -59,6 +61,29 @@ class SyncKV(Policy):
     max_batch = 1
     kernels = ("attention_topk", "decode_attention", "gathered_attention")
     PAPER = dict(wide_layers=0, nr_reads="union")  # N_r clusters in every layer; Algorithm 1 line 23
+    # the contract matrix's data (base.Policy, "What check_policy reads")
+    covering_spec = "synckv:budget=160,window=32,m=3,wide_layers=0"
+    small_spec, small_budget = "synckv:budget=48,window=8,m=3,wide_layers=0", 48  # of the NR-heads
+    stats_keys = ("anticipation_steps", "tokens_fetched", "mem_percent", "clustering_file")
+    offloads = True
+
+    @classmethod
+    def spec_for_model(cls, spec, cfg, workdir):
+        """A model with no shipped clustering gets one: layer 0 one cluster, the others two."""
+        try:
+            find_clustering(cfg, 1)
+            return spec
+        except ValueError:
+            H = cfg.n_kv_heads
+            two = [list(range(H - 1)), [H - 1]] if H > 1 else [[0]]
+            layers = [{"clusters": [list(range(H))], "r_heads": [0]}] + \
+                [{"clusters": two, "r_heads": [c[-1] for c in two]}] * (cfg.n_layers - 1)
+            doc = {"format": FORMAT, "model": {"name": "check_policy", "config_sha256": config_sha256(cfg),
+                                               "weights_sha256": "-", "n_layers": cfg.n_layers, "n_kv_heads": H},
+                   "corpus": {}, "seed": 0, "similarity": [], "clusterings": {"1": layers}}
+            path = Path(workdir) / f"synckv_{config_sha256(cfg)[:12]}.json"
+            path.write_text(json.dumps(doc))
+            return f"{spec}{',' if ':' in spec else ':'}clusters={path}"
 
     budget: int = param(512, "most tokens a non-representative KV head reads on the device: static + dynamic "
                              "+ window (with nr_reads=union, every cluster's static + dynamic); capped by the "
