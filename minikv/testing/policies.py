@@ -47,11 +47,12 @@ class PolicyContractError(AssertionError):
 
 def check_policy(spec_or_class, *, families=tuple(FAMILIES), smollm2="auto", backends=None) -> dict:
     """Run the contract matrix (module docstring) for one policy. spec_or_class: a registered name,
-    a spec (its parameters replace the declared small spec) or a Policy subclass. smollm2: "auto"
+    a spec (it replaces the declared small spec, and its `budget` the declared small budget) or a
+    Policy subclass. smollm2: "auto"
     (when the bundled model is present), False, or a loaded (model, tokenizer). backends: those to
     check the attended outputs on (default: every backend the policy implements that runs here).
     Returns {check: [where it ran]}."""
-    cls, small = _resolve(spec_or_class)
+    cls, small, budget = _resolve(spec_or_class)
     ran: dict[str, list] = {}
     with tempfile.TemporaryDirectory() as work:
         _refusals(cls)
@@ -65,7 +66,7 @@ def check_policy(spec_or_class, *, families=tuple(FAMILIES), smollm2="auto", bac
                 continue
             ids = _random_ids(model)
             _covering(cls, model, ids, cls.spec_for_model(cls.covering_spec or cls.name, model.cfg, Path(work)), where)
-            _small(cls, model, ids, spec, where)
+            _small(cls, model, ids, spec, budget, where)
             if cls.prefill_equals_decoding:
                 _prefill(model, ids, spec, where)
             for check in ("covering", "budget", "stats", "attended", "offload") + ("prefill",) * cls.prefill_equals_decoding:
@@ -108,8 +109,8 @@ def _covering(cls, model, ids, spec, where, prompt=PROMPT, tol=1e-5):
                      f"{(got - expect).abs().max():.3g})")
 
 
-def _small(cls, model, ids, spec, where):
-    _, policy = _run(model, ids, spec, where, budget=cls.small_budget, attended=cls.reports_attended,
+def _small(cls, model, ids, spec, budget, where):
+    _, policy = _run(model, ids, spec, where, budget=budget, attended=cls.reports_attended,
                      rows_back=True)
     s = policy.stats()
     missing = sorted((set(BASE_STATS) | set(cls.stats_keys)) - set(s))
@@ -289,8 +290,9 @@ class _Recorder:
 # -- helpers -------------------------------------------------------------------------------------
 
 
-def _resolve(spec_or_class) -> tuple[type[Policy], str]:
-    """(the policy class, the small spec to run)."""
+def _resolve(spec_or_class) -> tuple[type[Policy], str, int | None]:
+    """(the policy class, the small spec to run, its budget: the declared one, or for a spec given
+    here the `budget` its policy derives)."""
     discover()
     if isinstance(spec_or_class, type) and issubclass(spec_or_class, Policy):
         cls, spec = spec_or_class, None
@@ -302,7 +304,9 @@ def _resolve(spec_or_class) -> tuple[type[Policy], str]:
         raise TypeError(f"check_policy takes a policy name, spec or class, got {spec_or_class!r}")
     if _REGISTRY.get(cls.name) is not cls:
         raise ValueError(f"{cls.__name__} is not registered: decorate it with @minikv.register_policy")
-    return cls, spec or cls.small_spec or cls.name
+    if spec is not None:
+        return cls, spec, getattr(make(spec), "budget", None)
+    return cls, cls.small_spec or cls.name, cls.small_budget
 
 
 def _with(spec: str, **items) -> str:

@@ -285,3 +285,20 @@ def test_a_row_measured_on_a_subset_or_superset_of_instances_keeps_the_larger():
     merge(large, small, "small.json")  # measured again on fewer: kept as it was
     assert [len(r["answers"]) for r in large["rows"]] == [3, 3] and large["rows"][0]["kv_mean_tokens"] == 30.0
     assert large["oracle"] == {"64": 0.3}
+
+
+def test_the_smoke_preset_runs_one_budget_and_says_it_ranks_nothing():
+    import argparse
+
+    from minikv.bench.compare import add_arguments, settings_of
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    s = settings_of(p.parse_args(["--preset", "smoke"]))
+    assert s["budgets"] == [128] and len(s["seeds"]) == 2 and s["length"] < 1024 and "long" in s["tasks"]
+    assert settings_of(p.parse_args(["--preset", "smoke", "--budget", "64"]))["budgets"] == [64]
+    result = fake_result()
+    annotate(result)
+    assert "Smoke run" not in markdown(result)
+    result["settings"]["preset"] = "smoke"
+    assert markdown(result).startswith("**Smoke run** (--preset smoke)") and "rank anything" in markdown(result)

@@ -11,7 +11,7 @@ import torch
 
 from minikv.policies import available, make
 from minikv.policies.synckv.clusters import FORMAT, config_sha256
-from minikv.testing import check_policy
+from minikv.testing import PolicyContractError, check_policy
 
 PROMPT, NEW = 80, 40
 
@@ -20,6 +20,34 @@ PROMPT, NEW = 80, 40
 def test_contract(smollm2, name):
     ran = check_policy(name, smollm2=smollm2)
     assert "smollm2" in ran["covering"] and "smollm2" in ran["reference"]
+
+
+def test_check_policy_fails_naming_the_check_on_planted_bugs(monkeypatch):
+    """Each planted bug fails its check: a step that reads one token more than attended_indices()
+    says, a recall that is not bit for bit (1 ulp off), a budget declared one token short."""
+    from minikv.policies.h2o import H2O, H2OLayer
+    from minikv.policies.tiers import Tiers
+
+    real = H2OLayer.decode
+
+    def hides_a_token(self, q, k, v, positions):
+        out = real(self, q, k, v, positions)
+        self._read = self._read[:, 1:]
+        return out
+
+    with monkeypatch.context() as m:
+        m.setattr(H2OLayer, "decode", hides_a_token)
+        with pytest.raises(PolicyContractError, match="h2o on the tiny llama_gqa model: attended: layer 0"):
+            check_policy("h2o", families=("llama_gqa",), smollm2=False)
+    with monkeypatch.context() as m:
+        m.setattr(H2O, "small_budget", H2O.small_budget - 1)
+        with pytest.raises(PolicyContractError, match="budget: a decode step of h2o:budget=24,window=8 read 24"):
+            check_policy("h2o", families=("llama_gqa",), smollm2=False)
+    copy_in = Tiers.copy_in
+    monkeypatch.setattr(Tiers, "copy_in", lambda self, staging, gather, scatter, into, background=False: copy_in(
+        self, staging, gather, lambda rows: scatter(torch.nextafter(rows, rows + 1)), into, background))
+    with pytest.raises(PolicyContractError, match="offload: .* never given .*bit for bit"):
+        check_policy("freekv", families=("llama_gqa",), smollm2=False)
 
 
 @pytest.fixture(scope="module")
