@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from ..kernels import BACKENDS, check_backend
+from ..kernels import BACKENDS, check_backend, policy_backends
 from ..policies.base import Policy, _REGISTRY, discover, make, parameters
 from ..policies.params import value_type
 from .models import FAMILIES, tiny_model
@@ -315,10 +315,11 @@ def _with(spec: str, **items) -> str:
 
 
 def _backends(cls, asked):
+    """The backends to check: those asked, else the built-in ones the policy implements."""
     out = []
-    for backend in asked or getattr(cls, "backends", BACKENDS):
+    for backend in asked or [b for b in policy_backends(cls.kernels) if b in BACKENDS]:
         try:
-            check_backend(backend)
+            check_backend(backend, cls.kernels, cls.name)
         except ValueError:
             continue  # triton with no CUDA and no interpreter
         out.append(backend)
