@@ -20,8 +20,9 @@ are the heavy hitters. Each KV head keeps its own set. Where to read what:
 Decisions (the paper is silent): the budget counts what attention reads, G_i, new token included,
 so the cache keeps k = budget - 1 between steps; eviction runs after attending, as in Algorithm 1.
 The window defaults to half the cache, (budget - 1) // 2, as the paper's experiments split it
-evenly between recent tokens and heavy hitters. GQA: a KV head's accumulated score sums the attention of the query heads of its group (the mass
-the group put on the token; the ranking is the mean's). window=0 is Algorithm 1 alone, where even
+evenly between recent tokens and heavy hitters. GQA: a KV head's accumulated score sums the
+attention of the query heads of its group (the mass the group put on the token; the ranking is
+the mean's). window=0 is Algorithm 1 alone, where even
 the new token may leave. The prefill does not replay Algorithm 1 token by token: prompts longer
 than the cache keep what full attention over the prompt valued, so prefill and token-by-token
 decoding differ once the prompt is longer than budget - 1.
@@ -162,6 +163,7 @@ class H2O(Policy):
 
     name = "h2o"
     max_batch = 1
+    kernels = ("decode_attention",)  # the weights come from its log-sum-exp (H2OLayer._attend)
 
     budget: int = param(256, "most tokens per KV head per layer that attention reads, the new token included: "
                              "the cache keeps budget - 1 between steps; capped by the context", low=2)
