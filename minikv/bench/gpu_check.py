@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from ..kernels import launch as configs
-from ..kernels._testing import REL_RMS, relative_rms
+from ..testing.tolerances import REL_RMS, relative_rms
 from .common import print_table, write_json
 from .gpu_cases import CASES, DTYPES, GEOMETRIES, Random
 
