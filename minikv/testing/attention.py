@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 
 from .tolerances import assert_close, random_tensor
 
-FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 SCALES = st.none() | st.sampled_from([0.1, 0.3, 1.0])  # None: the default, 1/sqrt(D)
 
 
@@ -51,7 +50,7 @@ def compare_out_lse(got, want, p, got_args=None, want_args=None, lse_dtype=torch
 
 
 @st.composite
-def draw_decode_attention(draw, dtypes=FLOATS):
+def draw_decode_attention(draw, dtypes):
     B = draw(st.integers(1, 3))
     lengths = draw(st.lists(st.sampled_from([1, 2, 17, 63, 64, 65, 111]) | st.integers(1, 130), min_size=B, max_size=B))
     return dict(B=B, Hkv=draw(st.integers(1, 3)), group=draw(st.integers(1, 4)), D=draw(st.sampled_from([16, 32, 60, 64])),
@@ -82,7 +81,7 @@ compare_decode_attention = compare_out_lse
 
 
 @st.composite
-def draw_gathered_attention(draw, dtypes=FLOATS):
+def draw_gathered_attention(draw, dtypes):
     B, Hkv = draw(st.integers(1, 2)), draw(st.integers(1, 3))
     L_cap = draw(st.sampled_from([1, 17, 63, 100]) | st.integers(1, 130))
     N = draw(st.integers(1, min(L_cap, 70) + 5))
@@ -124,7 +123,7 @@ compare_gathered_attention = compare_out_lse
 
 
 @st.composite
-def draw_paged_attention(draw, dtypes=FLOATS):
+def draw_paged_attention(draw, dtypes):
     B, Hkv, G = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 4))
     P = draw(st.sampled_from([3, 4, 16, 32]))
     S, N = draw(st.integers(1, 7)), draw(st.integers(1, 5))
@@ -178,7 +177,7 @@ def compare_paged_attention(got, want, p, got_args=None, want_args=None):
 
 
 @st.composite
-def draw_attention_relevance(draw, dtypes=FLOATS):
+def draw_attention_relevance(draw, dtypes):
     B = draw(st.integers(1, 2))
     lengths = draw(st.lists(st.sampled_from([1, 2, 17, 31, 33, 63]) | st.integers(1, 70), min_size=B, max_size=B))
     return dict(B=B, Hkv=draw(st.integers(1, 3)), group=draw(st.integers(1, 4)), D=draw(st.sampled_from([16, 32, 60, 64])),

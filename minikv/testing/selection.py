@@ -53,7 +53,7 @@ def compare_scores_index(got, want, tol, atol, rtol, exact=False):
 
 
 @st.composite
-def draw_attention_topk(draw, dtypes=(torch.float32, torch.bfloat16)):
+def draw_attention_topk(draw, dtypes):
     B, Hkv, L_cap = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 150))
     return dict(B=B, Hkv=Hkv, group=draw(st.integers(1, 4)), D=draw(st.sampled_from([16, 24, 64])), L_cap=L_cap,
                 n_valid=draw(st.lists(st.integers(0, L_cap), min_size=B, max_size=B)),
@@ -89,7 +89,7 @@ def compare_attention_topk(got, want, p, got_args=None, want_args=None):
 
 
 @st.composite
-def draw_page_scores(draw, dtypes=(torch.float32,)):
+def draw_page_scores(draw, dtypes):
     """Boxes: small odd page counts and ~250 pages (an 8k context in 32-token pages); integer data
     (every score exact, so ties are real, `dup` forcing them) or normal. Codes: small shapes
     (the kernel loops over page tokens and channels)."""
@@ -144,7 +144,7 @@ def compare_page_scores(got, want, p, got_args=None, want_args=None):
 
 
 @st.composite
-def draw_dci_scores(draw, dtypes=(torch.float32, torch.bfloat16, torch.float16)):
+def draw_dci_scores(draw, dtypes):
     B, G, H, N = draw(st.integers(1, 3)), draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(st.integers(1, 40))
     C = draw(st.integers(1, 37))
     return dict(B=B, G=G, H=H, N=N, C=C, D=draw(st.sampled_from([8, 24, 60, 64])), k=draw(st.integers(0, C)),  # 0: scores only
