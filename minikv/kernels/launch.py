@@ -201,7 +201,8 @@ def page_layout(page: int, head_dim: int, arch: int) -> Config:
 
 
 def rope_delta(tokens: int, rotary_half: int, tail: int, arch: int) -> Config:
-    """BLOCK_T tokens a program: 1 when decoding, up to 16 in a prefill (five variants)."""
-    return Config(dict(BLOCK_T=min(16, triton.next_power_of_2(tokens)),
-                       BLOCK_HALF=triton.next_power_of_2(rotary_half),
-                       BLOCK_TAIL=triton.next_power_of_2(max(tail, 1))), num_warps=4, num_stages=1)
+    """BLOCK_T tokens a program: 1 when decoding, up to 16 in a prefill (five variants); 8 warps
+    from (16, 64) tiles on (4 spilled on sm_80 at D 80 and 256)."""
+    block_t, block_half = min(16, triton.next_power_of_2(tokens)), triton.next_power_of_2(rotary_half)
+    return Config(dict(BLOCK_T=block_t, BLOCK_HALF=block_half, BLOCK_TAIL=triton.next_power_of_2(max(tail, 1))),
+                  num_warps=8 if block_t * block_half >= 1024 else 4, num_stages=1)
