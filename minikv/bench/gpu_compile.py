@@ -35,7 +35,7 @@ CONTEXTS = (4096, 32768)
 SAMPLE = [("decode_attention", "Llama-3-8B", "bfloat16", 4096, 80), ("decode_attention", "Llama-3-8B", "bfloat16", 4096, 90),
           ("attention_relevance", "Qwen2.5-Coder-0.5B", "float16", 4096, 90),
           ("attention_topk", "Qwen2.5-Coder-0.5B", "float16", 32768, 90), ("page_scores", "SmolLM2", "bfloat16", 32768, 80),
-          ("gathered_attention", "odd-D80-G7", "bfloat16", 4096, 90), ("paged_attention", "Qwen2.5-7B", "bfloat16", 4096, 90),
+          ("gathered_attention", "SmolLM2", "bfloat16", 4096, 90), ("paged_attention", "odd-D80-G7", "bfloat16", 4096, 90),
           ("dci_scores", "SmolLM2", "float32", 4096, 90), ("page_gather", "SmolLM2", "bfloat16", 4096, 90),
           ("page_layout", "SmolLM2", "float16", 4096, 90), ("rope_delta", "Llama-3-8B", "bfloat16", 4096, 90)]
 
