@@ -20,6 +20,7 @@ import io
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -224,8 +225,13 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default, said without its warning
-    # a fresh cache: a cached kernel skips ptxas, whose report gives registers and spills
-    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="minikv-gpu-compile-")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        sys.exit("error: the compile check needs TRITON_INTERPRET=0 (it compiles; the interpreter cannot)")
-    sys.exit(main())
+        print("error: the compile check needs TRITON_INTERPRET=0 (it compiles; the interpreter cannot)", file=sys.stderr)
+        sys.exit(2)
+    # a fresh cache: a cached kernel skips ptxas, whose report gives registers and spills
+    cache = os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="minikv-gpu-compile-")
+    try:
+        code = main()
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    sys.exit(code)
