@@ -20,6 +20,7 @@ import io
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -35,7 +36,7 @@ CONTEXTS = (4096, 32768)
 SAMPLE = [("decode_attention", "Llama-3-8B", "bfloat16", 4096, 80), ("decode_attention", "Llama-3-8B", "bfloat16", 4096, 90),
           ("attention_relevance", "Qwen2.5-Coder-0.5B", "float16", 4096, 90),
           ("attention_topk", "Qwen2.5-Coder-0.5B", "float16", 32768, 90), ("page_scores", "SmolLM2", "bfloat16", 32768, 80),
-          ("gathered_attention", "odd-D80-G7", "bfloat16", 4096, 90), ("paged_attention", "Qwen2.5-7B", "bfloat16", 4096, 90),
+          ("gathered_attention", "SmolLM2", "bfloat16", 4096, 90), ("paged_attention", "odd-D80-G7", "bfloat16", 4096, 90),
           ("dci_scores", "SmolLM2", "float32", 4096, 90), ("page_gather", "SmolLM2", "bfloat16", 4096, 90),
           ("page_layout", "SmolLM2", "float16", 4096, 90), ("rope_delta", "Llama-3-8B", "bfloat16", 4096, 90)]
 
@@ -224,8 +225,13 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default, said without its warning
-    # a fresh cache: a cached kernel skips ptxas, whose report gives registers and spills
-    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="minikv-gpu-compile-")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        sys.exit("error: the compile check needs TRITON_INTERPRET=0 (it compiles; the interpreter cannot)")
-    sys.exit(main())
+        print("error: the compile check needs TRITON_INTERPRET=0 (it compiles; the interpreter cannot)", file=sys.stderr)
+        sys.exit(2)
+    # a fresh cache: a cached kernel skips ptxas, whose report gives registers and spills
+    cache = os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="minikv-gpu-compile-")
+    try:
+        code = main()
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    sys.exit(code)

@@ -114,10 +114,11 @@ def _itemsize(dtype: torch.dtype) -> int:
 def decode_attention(group: int, head_dim: int, dtype: torch.dtype, arch: int) -> Config:
     """Grouped flash-decoding (decode_attention, gathered_attention): a (BLOCK_G, BLOCK_D) query
     tile against BLOCK_N keys. At D >= 128 the (BLOCK_N, BLOCK_D) key tile and the float32
-    accumulator outgrow 4 warps' registers: 8 warps. float32 at D 256: 16-key blocks, one stage."""
+    accumulator outgrow 4 warps' registers: 8 warps. float32: 32-key blocks (64 spilled at D 64
+    on sm_90), 16 and one stage at D 256."""
     block_d = pow2(head_dim)
     wide = _itemsize(dtype) * block_d  # bytes of one key row
-    block_n = 64 if wide <= 256 else 32 if wide <= 512 else 16
+    block_n = 64 if _itemsize(dtype) == 2 and block_d <= 128 else 32 if wide <= 512 else 16
     return Config(dict(BLOCK_G=pow2(group), BLOCK_N=block_n, BLOCK_D=block_d),
                   num_warps=4 if block_d <= 64 else 8, num_stages=2 if wide <= 512 else 1)
 
@@ -176,9 +177,10 @@ def paged_attention(group: int, page: int, head_dim: int, dtype: torch.dtype, ar
 
 def dci_scores(group: int, candidates: int, head_dim: int, arch: int) -> Config:
     """Candidate keys in blocks of BLOCK_C (16, 32 or 64: three variants). The product is a
-    float32 "ieee" dot (no tensor cores), whose operands take registers: 8 warps."""
+    float32 "ieee" dot (no tensor cores), whose operands take registers: 8 warps, and no
+    pipelining (2 stages spilled 6.7 KB at D 256 in 16-bit)."""
     return Config(dict(BLOCK_G=pow2(group), BLOCK_C=min(64, pow2(candidates)), BLOCK_D=pow2(head_dim)),
-                  num_warps=8, num_stages=2)
+                  num_warps=8, num_stages=1)
 
 
 def merge(splits: int, head_dim: int, arch: int) -> Config:
@@ -199,7 +201,8 @@ def page_layout(page: int, head_dim: int, arch: int) -> Config:
 
 
 def rope_delta(tokens: int, rotary_half: int, tail: int, arch: int) -> Config:
-    """BLOCK_T tokens a program: 1 when decoding, up to 16 in a prefill (five variants)."""
-    return Config(dict(BLOCK_T=min(16, triton.next_power_of_2(tokens)),
-                       BLOCK_HALF=triton.next_power_of_2(rotary_half),
-                       BLOCK_TAIL=triton.next_power_of_2(max(tail, 1))), num_warps=4, num_stages=1)
+    """BLOCK_T tokens a program: 1 when decoding, up to 16 in a prefill (five variants); 8 warps
+    from (16, 64) tiles on (4 spilled on sm_80 at D 80 and 256)."""
+    block_t, block_half = min(16, triton.next_power_of_2(tokens)), triton.next_power_of_2(rotary_half)
+    return Config(dict(BLOCK_T=block_t, BLOCK_HALF=block_half, BLOCK_TAIL=triton.next_power_of_2(max(tail, 1))),
+                  num_warps=8 if block_t * block_half >= 1024 else 4, num_stages=1)
