@@ -130,6 +130,7 @@ class Policy(ABC):
     reports_attended: ClassVar[bool] = True
 
     PAPER: ClassVar[dict] = {}  # the parameter values of the paper's rules, which preset=paper selects
+    has_paper: ClassVar[bool] = True  # False for a baseline (full) that implements no paper
 
     backend: str = param("eager")
     preset: str | None = param(None, choices=PRESETS)

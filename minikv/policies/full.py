@@ -80,6 +80,7 @@ class Full(Policy):
     """Keep everything: the reference every other policy is measured against."""
 
     name = "full"
+    has_paper = False  # the baseline: full:paper is full
     max_batch = None
     kernels = ("decode_attention",)
     # the contract matrix's data (base.Policy, "What check_policy reads")

@@ -227,6 +227,9 @@ def describe(cls) -> list[str]:
     fs = declarations(cls)
     width = max(len(f"{n}={show(f.default)}") for n, f in fs.items())
     rules = ", ".join(f"{k}={show(v)}" for k, v in paper_rules(cls).items())
-    rules = f"; here paper sets {rules}" if rules else "; here the defaults are the paper's rules"
+    if rules:
+        rules = f"; here paper sets {rules}"
+    else:
+        rules = "; here the defaults are the paper's rules" if cls.has_paper else "; no paper here: paper is the defaults"
     return [f"{n + '=' + show(f.default):<{width}}  {bounds_text(f)}: {meaning(f)}" + (rules if n == "preset" else "")
             for n, f in fs.items()]
