@@ -51,12 +51,11 @@ def cache_dir() -> Path:
 def cache_write_error(err: OSError, where: Path) -> OSError:
     """What a failed write into the cache directory `where` says: the directory (not a temporary
     name inside it) and what to do; a full disk and a read-only cache by name."""
-    setting = "MINIKV_CACHE" if os.environ.get("MINIKV_CACHE") else "MINIKV_CACHE (now unset: ~/.cache/minikv)"
     if err.errno == errno.ENOSPC:
         return OSError(err.errno, f"no space left on the device to write the model cache {where}: free some "
-                                  f"space, or set {setting} to a directory on another disk")
+                                  "space, or set MINIKV_CACHE to a directory on another disk")
     if err.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
-        return OSError(err.errno, f"cannot write the model cache {where} ({err.strerror}): set {setting} to a "
+        return OSError(err.errno, f"cannot write the model cache {where} ({err.strerror}): set MINIKV_CACHE to a "
                                   "directory you can write")
     return err
 
