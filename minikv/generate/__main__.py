@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from . import DEFAULT_MAX_NEW_TOKENS, check_sampling, decode_bandwidth, generate
+from . import DEFAULT_MAX_NEW_TOKENS, check_sampling, decode_bandwidth, generate, measure_read_bandwidth
 from ..cli import check_common, check_positive, run_command
 
 DEFAULT_THREADS = 1  # see --threads
@@ -215,8 +215,6 @@ def main(argv=None) -> int:
     if not args.quiet and not interrupted:
         print(summary_line(stats), file=sys.stderr)
     if args.stats and "bytes_per_token" in stats:  # the achieved bandwidth's share of the machine's
-        from ..bench.common import measure_read_bandwidth
-
         stats.update(decode_bandwidth(stats["bytes_per_token"], stats["tpot_s"], measure_read_bandwidth(model.device)))
     if args.stats or interrupted:
         print_stats(stats)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from minikv.kernels import check_backend
 from minikv.kernels._testing import DEVICE, assert_close, random_tensor
 from minikv.kernels.rope_delta import rope_delta, rope_delta_
-from minikv.models.rope import RotaryEmbedding
+from minikv.models.rope import RotaryEmbedding, apply_rotary
 
 BACKENDS = ["eager", "triton"]
 # (head_dim D, rotary_dim R): full rotary, partial rotary (Pythia: 25%), and D not a power of 2
@@ -121,12 +121,13 @@ def test_rope_delta_writes_into_cache_slice_only():
     assert_close(cache[:, :, 10:30], expected)
 
 
-def test_reference_is_rotary_embedding_rotate_by():
-    """The op's reference and models/rope.py's rotate_by are one computation."""
+def test_reference_is_rotary_embedding_at_position_delta():
+    """The op's reference is models/rope.py's RoPE at position delta (rotations compose)."""
     rope = RotaryEmbedding(64, 32, 10000.0)
     x = random_tensor((2, 3, 7, 64), torch.float32, 1)
     delta = torch.tensor([0, 1, -1, 100, -100, 4000, -4000])
-    torch.testing.assert_close(rope_delta(x, delta, rope.inv_freq), rope.rotate_by(x, delta), atol=1e-6, rtol=0)
+    torch.testing.assert_close(rope_delta(x, delta, rope.inv_freq), apply_rotary(x, *rope.cos_sin(delta)), atol=1e-6,
+                               rtol=0)
 
 
 def test_unknown_backend_lists_the_choices():
