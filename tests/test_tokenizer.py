@@ -5,7 +5,7 @@ Tokenizers under test, each with the reference entry that is its oracle:
   smollm2         SmolLM2's tokenizer.json as transformers writes it from the GGUF (GPT-2 ByteLevel regex)
   smollm2-vocab   the same vocabulary as vocab.json + merges.txt
   smollm2-digits  smollm2 with SmolLM2's own pre-tokenizer, Sequence[Digits, ByteLevel]
-  smollm2-gguf    Tokenizer.from_gguf on the bundled GGUF (tokenizer.ggml.pre = "smollm": digits split)
+  smollm2-gguf    tokenizer_from_gguf on the bundled GGUF (tokenizer.ggml.pre = "smollm": digits split)
   smollm2-saved   save_tokenizer_files(GGUF) read back by load_tokenizer
   sp-llama        a SentencePiece BPE model with Llama-2 settings (byte fallback, dummy prefix)
   bpe-llama3      tiny byte-level BPE, Llama-3 Split regex, BOS post-processor, ids not in merge order
@@ -22,8 +22,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minikv.tokenizer import (BPETokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer,
-                              save_tokenizer_files)
+from minikv.tokenizer import (BPETokenizer, SentencePieceTokenizer, load_tokenizer,
+                              save_tokenizer_files, tokenizer_from_gguf)
 
 REF = Path(__file__).resolve().parent.parent / "reference" / "tokenizers"
 DATA = json.loads((REF / "reference.json").read_text(encoding="utf-8"))
@@ -61,7 +61,7 @@ def toks(tmp_path_factory):
         from gguf import GGUFReader
 
         reader = GGUFReader(str(gguf_path()))  # opening it is the slow part: once
-        built["smollm2-gguf"] = Tokenizer.from_gguf(reader)
+        built["smollm2-gguf"] = tokenizer_from_gguf(reader)
         built["smollm2-saved"] = load_tokenizer(save_tokenizer_files(reader, tmp / "saved"))
     return built
 

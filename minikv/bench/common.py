@@ -5,15 +5,15 @@
     text_ids(tok, n)               the first n tokens of the standard library's pydoc_data.topics
     print_table(rows, columns)     a plain text table; columns: (header, key, format)
     write_json(path, payload)      the numbers, plus the machine they were measured on
-    measure_read_bandwidth()       the machine's read bandwidth with the current thread count
+    measure_read_bandwidth()       the machine's read bandwidth with the current thread count (generate's)
 """
 from __future__ import annotations
 
 import platform
-import statistics
-import time
 
 import torch
+
+from ..generate import measure_read_bandwidth  # noqa: F401  (the benchmarks' name for it)
 
 
 def add_common_arguments(p) -> None:
@@ -80,26 +80,3 @@ def write_json(path: str | None, payload: dict) -> None:
     if path:
         with open(path, "w") as f:
             f.write(dumps({**payload, "environment": environment()}, indent=2))
-
-
-def measure_read_bandwidth(device="cpu", mbytes: int = 256, repeats: int = 5) -> float:
-    """Bytes/s one large-tensor read reaches on `device` with torch's current thread count: the
-    median of `repeats` timed sums over a float32 tensor of `mbytes` MB, far larger than the CPU's
-    caches, so that every byte comes from memory. This is the line a decode step, which reads
-    every weight once, can at best reach. On the CPU the tensor is in transparent huge pages, as
-    the model's weights are (fast/hugepages.py): both sides of the ratio read the same kind
-    of memory (huge pages read ~1.25x faster here than the allocator's)."""
-    device = torch.device(device)
-    from ..fast.hugepages import empty
-
-    x = empty((mbytes * 2**20 // 4,), torch.float32, device).fill_(1.0)
-    times = []
-    for _ in range(repeats + 1):  # the first read warms up (page faults, kernel launch)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        x.sum()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return x.numel() * x.element_size() / statistics.median(times[1:])

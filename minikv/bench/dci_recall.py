@@ -20,7 +20,7 @@ import sys
 import torch
 
 from ..policies import make
-from ..policies.icecache.search_fast import top_keys
+from ..policies.icecache.search_fast import FastSearch, top_keys
 from ..policies.icecache.tree import DCIForest, random_direction
 from .common import add_common_arguments, load_model, print_table, text_ids, write_json
 
@@ -51,7 +51,7 @@ def tree_recall(q: torch.Tensor, keys: torch.Tensor, k: int, fov: int | None = N
     forest = DCIForest(n_heads=H, head_dim=D, page_size=16, capacity=n, u=random_direction(D, seed))
     forest.build(keys)
     blocks = q.reshape(H, Hq // H * Q, D)  # the queries of the heads of each GQA group
-    found = top_keys(forest, blocks, torch.arange(H), k, fov, prop).reshape(Hq * Q, k)
+    found = top_keys(FastSearch(forest), blocks, torch.arange(H), k, fov, prop).reshape(Hq * Q, k)
     exact = torch.bmm(blocks, keys.transpose(1, 2)).reshape(Hq * Q, n).topk(k, dim=1).indices
     hits = sum(len(set(a) & set(b)) for a, b in zip(found.tolist(), exact.tolist()))
     return hits / exact.numel(), forest.scored / forest.searched

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import operator
+import statistics
 import threading
 import time
 from contextlib import contextmanager
@@ -303,9 +304,32 @@ def weight_bytes_per_step(model) -> int:
     return total + (embedding[0].numel() * embedding.element_size() if embedding is not head else 0)
 
 
+def measure_read_bandwidth(device="cpu", mbytes: int = 256, repeats: int = 5) -> float:
+    """Bytes/s one large-tensor read reaches on `device` with torch's current thread count: the
+    median of `repeats` timed sums over a float32 tensor of `mbytes` MB, far larger than the CPU's
+    caches, so that every byte comes from memory. This is the line a decode step, which reads
+    every weight once, can at best reach. On the CPU the tensor is in transparent huge pages, as
+    the model's weights are (fast/hugepages.py): both sides of the ratio read the same kind
+    of memory (huge pages read ~1.25x faster here than the allocator's)."""
+    device = torch.device(device)
+    from ..fast.hugepages import empty  # (fast/ is applied from outside: imported when measured)
+
+    x = empty((mbytes * 2**20 // 4,), torch.float32, device).fill_(1.0)
+    times = []
+    for _ in range(repeats + 1):  # the first read warms up (page faults, kernel launch)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        x.sum()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * x.element_size() / statistics.median(times[1:])
+
+
 def decode_bandwidth(bytes_per_step: float, tpot_s: float, read_bandwidth: float | None = None) -> dict:
     """Achieved bandwidth of decoding (bytes read per step / time per step), and its share of the
-    machine's read bandwidth (bytes/s, e.g. bench.common.measure_read_bandwidth()) when given."""
+    machine's read bandwidth (bytes/s, e.g. measure_read_bandwidth()) when given."""
     achieved = bytes_per_step / tpot_s
     out = {"bytes_per_token": bytes_per_step, "bandwidth_gb_s": achieved / 1e9}
     if read_bandwidth:

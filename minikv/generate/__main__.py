@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from . import DEFAULT_MAX_NEW_TOKENS, check_sampling, decode_bandwidth, generate
+from . import DEFAULT_MAX_NEW_TOKENS, check_sampling, decode_bandwidth, generate, measure_read_bandwidth
 from ..cli import check_common, check_output_paths, check_positive, dumps, run_command, stdout_reader_gone
 from ..plugins import add_import_argument, import_from_argv
 
@@ -249,8 +249,6 @@ def main(argv=None) -> int:
     elif not args.quiet:
         print(summary_line(stats), file=sys.stderr)
     if args.stats and "bytes_per_token" in stats:  # the achieved bandwidth's share of the machine's
-        from ..bench.common import measure_read_bandwidth
-
         stats.update(decode_bandwidth(stats["bytes_per_token"], stats["tpot_s"], measure_read_bandwidth(model.device)))
     if args.stats:
         print_stats(stats)

@@ -8,7 +8,7 @@ that permutation so that this one convention holds everywhere.
 
 Rotations compose: R(p) R(delta) = R(p + delta). So a key cached after RoPE at position p can be
 moved to position p + delta by applying RoPE again with position delta, without knowing the
-pre-RoPE key. This is Eq. 4 of the lazy-pruning paper, and what `rotate_by` computes.
+pre-RoPE key. This is Eq. 4 of the lazy-pruning paper, computed by kernels/rope_delta.
 """
 from __future__ import annotations
 
@@ -80,12 +80,6 @@ class RotaryEmbedding:
         # x (B, H, T, D), positions (B, T) -> RoPE(x, positions), same dtype as x
         cos, sin = self.cos_sin(positions)  # (B, T, rotary_dim)
         return apply_rotary(x, cos[:, None], sin[:, None])
-
-    def rotate_by(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """Delta rotation (Eq. 4): RoPE(k, p) -> RoPE(k, p + delta). delta broadcasts against
-        x's leading dims without the channel dim, e.g. x (B, H, T, D) with delta (T,) or ()."""
-        cos, sin = self.cos_sin(torch.as_tensor(delta, device=x.device))
-        return apply_rotary(x, cos, sin)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

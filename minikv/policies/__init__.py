@@ -1,5 +1,7 @@
-"""KV-cache policies: one module or package per policy, named after it. `make(spec)` builds one from a spec
-string such as "streaming:sink=4,window=252"; `available()` lists the names."""
+"""KV-cache policies, each a module or a package named after it (full.py, streaming.py, freekv.py;
+softfreeze/, icecache/, synckv/, where the readable form and its fast forms are separate files),
+on the shared parts (base.py, params.py, tiers.py, pool.py, paged.py). `make(spec)` builds one
+from a spec string such as "streaming:sink=4,window=252"; `available()` lists the names."""
 from .base import LayerKV, Policy, StepAction, available, make, register, register_policy
 from .tiers import Tiers
 from . import full  # noqa: F401  (registers "full")

@@ -6,12 +6,8 @@ from __future__ import annotations
 import codecs
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from .chat_template import compile_template
-
-if TYPE_CHECKING:
-    from .bpe import BPETokenizer
 
 # Tokens that end an assistant turn in common chat formats; eos_ids holds those the template uses.
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
@@ -93,12 +89,6 @@ class Tokenizer:
         return compile_template(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None,
             **{**special, **kwargs})
-
-    @staticmethod
-    def from_gguf(path_or_reader) -> BPETokenizer:
-        from .files import bpe_from_gguf  # files.py builds on this module
-
-        return bpe_from_gguf(path_or_reader)
 
 
 class StreamDecoder:

@@ -3,7 +3,7 @@
     load_tokenizer(model_dir)        a Hugging Face style directory: tokenizer.json (byte-level BPE),
                                      tokenizer.model (SentencePiece) or vocab.json + merges.txt, with
                                      tokenizer_config.json for BOS/EOS, add_bos_token, chat template
-    bpe_from_gguf(path_or_reader)    the tokenizer.ggml.* metadata of a GGUF (Tokenizer.from_gguf)
+    tokenizer_from_gguf(path_or_reader)  the tokenizer.ggml.* metadata of a GGUF
     save_tokenizer_files(tok, dir)   the files load_tokenizer (and transformers) read back
 
 Files are downloaded, so untrusted: a malformed one is a ValueError naming it (`_malformed`).
@@ -179,7 +179,8 @@ def _bpe_from_tokenizer_json(tj: dict, cfg: dict) -> BPETokenizer:
                 normalizers[0] if normalizers else None, bool(model.get("ignore_merges")), bos is not None, bos)
 
 
-def bpe_from_gguf(path_or_reader) -> BPETokenizer:
+def tokenizer_from_gguf(path_or_reader) -> BPETokenizer:
+    """The tokenizer in a GGUF file's tokenizer.ggml.* metadata (a path or a gguf GGUFReader)."""
     from gguf import GGUFReader
 
     if isinstance(path_or_reader, GGUFReader):
@@ -221,7 +222,7 @@ def save_tokenizer_files(tokenizer_or_gguf, out_dir) -> Path:
     tokenizer.model, and tokenizer_config.json with the chat template, BOS/EOS and add_bos_token."""
     tok = tokenizer_or_gguf
     if not isinstance(tok, Tokenizer):
-        tok = Tokenizer.from_gguf(tok)
+        tok = tokenizer_from_gguf(tok)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     added = [{"id": t.id, "content": t.content, "single_word": False, "lstrip": t.lstrip, "rstrip": t.rstrip,

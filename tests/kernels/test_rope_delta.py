@@ -9,8 +9,14 @@ from hypothesis import strategies as st
 
 from minikv.kernels import check_backend, lookup
 from minikv.kernels.rope_delta import rope_delta, rope_delta_
-from minikv.models.rope import RotaryEmbedding
-from minikv.testing import assert_close, check, random_tensor, strategies
+def test_reference_is_rotary_embedding_at_position_delta(device):
+    """The op's reference is models/rope.py's RoPE at position delta (rotations compose)."""
+    rope = RotaryEmbedding(64, 32, 10000.0)
+    x = random_tensor((2, 3, 7, 64), torch.float32, 1, device)
+    delta = torch.tensor([0, 1, -1, 100, -100, 4000, -4000], device=device)
+    cos, sin = rope.cos_sin(delta)
+    torch.testing.assert_close(rope_delta(x, delta, rope.inv_freq.to(device)), apply_rotary(x, cos.to(device), sin.to(device)),
+                               atol=1e-6, rtol=0)
 
 BACKENDS = ["eager", "triton"]
 
@@ -82,12 +88,14 @@ def test_rope_delta_writes_into_cache_slice_only(device):
     assert_close(cache[:, :, 10:30], expected)
 
 
-def test_reference_is_rotary_embedding_rotate_by(device):
-    """The op's reference and models/rope.py's rotate_by are one computation."""
+def test_reference_is_rotary_embedding_at_position_delta(device):
+    """The op's reference is models/rope.py's RoPE at position delta (rotations compose)."""
     rope = RotaryEmbedding(64, 32, 10000.0)
     x = random_tensor((2, 3, 7, 64), torch.float32, 1, device)
     delta = torch.tensor([0, 1, -1, 100, -100, 4000, -4000], device=device)
-    torch.testing.assert_close(rope_delta(x, delta, rope.inv_freq.to(device)), rope.rotate_by(x, delta), atol=1e-6, rtol=0)
+    cos, sin = rope.cos_sin(delta)
+    torch.testing.assert_close(rope_delta(x, delta, rope.inv_freq.to(device)), apply_rotary(x, cos.to(device), sin.to(device)),
+                               atol=1e-6, rtol=0)
 
 
 def test_unknown_backend_lists_the_choices(device):

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minikv.models.attention import dense_attention, reusing_results
+from minikv.models.attention import dense_attention
 
 
 @pytest.mark.parametrize("B,Hq,Hkv,L", [(1, 9, 3, 1), (1, 9, 3, 517), (2, 8, 2, 64), (1, 4, 4, 300)])
@@ -43,20 +43,3 @@ def test_half_precision_decode_attention_is_the_float32_one_rounded(dtype):
     torch.testing.assert_close(out.float(), exact, rtol=eps, atol=eps)
     sdpa = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     torch.testing.assert_close(out, sdpa, rtol=2e-2, atol=2e-2)
-
-
-def test_reusing_results_computes_a_repeated_call_once_and_only_a_repeated_one():
-    torch.manual_seed(0)
-    q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
-    with reusing_results():
-        first = dense_attention(q, k, v)
-        assert dense_attention(q, k, v) is first  # the same tensors: the first call's output
-        other_k = k.clone()  # equal values, another tensor: computed anew
-        assert dense_attention(q, other_k, v) is not first
-        windowed = dense_attention(q, k, v, window=2)  # another argument: computed anew
-        assert not torch.equal(windowed, first)
-        k.mul_(2.0)  # changed in place since: computed anew, on the new values
-        changed = dense_attention(q, k, v)
-        assert changed is not first and not torch.equal(changed, first)
-    assert dense_attention(q, k, v) is not changed  # outside the context nothing is kept
-    torch.testing.assert_close(dense_attention(q, k, v), changed, rtol=0, atol=0)

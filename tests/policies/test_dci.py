@@ -175,11 +175,12 @@ def test_fast_search_scores_the_reference_keys(n, fov, prop, batch, seed, policy
     q = torch.randn(2, 3, 8, generator=g)
     heads = torch.tensor([0, 1]) if policy_heads else torch.tensor([1, 0])
     fov_ = field_of_view(n) if fov is None else fov
-    search_fast.search(f, q, heads, fov_, prop, batch)
+    fs = search_fast.FastSearch(f)
+    search_fast.search(fs, q, heads, fov_, prop, batch)
     for a in range(n // 2, n, 11):
         f.insert(keys[:, a:a + 11])
-        search_fast.search(f, q, heads, fov_, prop, batch)
-    ids, scores = search_fast.search(f, q, heads, fov_, prop, batch)
+        search_fast.search(fs, q, heads, fov_, prop, batch)
+    ids, scores = search_fast.search(fs, q, heads, fov_, prop, batch)
     for b in range(2):
         h = int(heads[b])
         for j in range(3):
@@ -209,15 +210,16 @@ def test_fast_page_choice_equals_the_reference(n, fov, prop, batch, k, candidate
     keys = draw(2, n, 8)
     f = forest_of(keys, P=4, first=7, nxt=3, seed=seed)
     heads = torch.tensor([0, 1]) if policy_heads else torch.tensor([1, 0])
+    ps, fs = pages_fast.PageSearch(f), search_fast.FastSearch(f)  # both watch the tree
     f.build(keys[:, :n // 2])
     for a in range(n // 2, n + 37, 37):
         f.insert(keys[:, a - 37:min(a, n)]) if a > n // 2 else None
         q = draw(2, 3, 8)
         fov_ = field_of_view(f.n) if fov is None else fov
         reference = reference_pages(f, q, heads, k, fov, prop, batch)
-        assert torch.equal(pages_fast.select_pages(f, q, heads, k, fov_, prop, batch, candidates), reference)
-        assert torch.equal(search_fast.select_pages(f, q, heads, k, fov_, prop, batch), reference)
-    merged = [merge_group(group, k) for group in pages_fast.select_pages(f, q, None, k, fov_, prop, batch).tolist()]
+        assert torch.equal(ps.select_pages(q, heads, k, fov_, prop, batch, candidates), reference)
+        assert torch.equal(fs.select_pages(q, heads, k, fov_, prop, batch), reference)
+    merged = [merge_group(group, k) for group in ps.select_pages(q, None, k, fov_, prop, batch).tolist()]
     assert page_select(f, q.reshape(6, 8), k, fov, prop, batch).tolist() == merged
 
 
@@ -232,13 +234,14 @@ def test_layouts_merged_after_inserts_equal_a_fresh_build(n, chunk, ties, seed):
     if ties:
         keys = keys[:, torch.randint(0, max(n // 3, 1), (n,), generator=g)]
     f = forest_of(keys, P=4, first=7, nxt=3, seed=seed)
+    fs = search_fast.FastSearch(f)
     f.build(keys[:, :n // 2])
     for a in range(n // 2, n, chunk):
         for level in range(f.top, 0, -1):
-            f.layout(level, 0.8, 5, 4)  # kept, to be merged at the next request
+            fs.layout(level, 0.8, 5, 4)  # kept, to be merged at the next request
         f.insert(keys[:, a:a + chunk])
         for level in range(f.top, 0, -1):
-            kept, fresh = f.layout(level, 0.8, 5, 4), build_layout(f, level, 0.8, 5, 4)
+            kept, fresh = fs.layout(level, 0.8, 5, 4), build_layout(f, level, 0.8, 5, 4)
             assert kept.whole == fresh.whole
             for name, x, y in zip(kept._fields, kept[:-1], fresh[:-1]):
                 assert torch.equal(x, y), name
@@ -251,15 +254,16 @@ def test_page_choice_when_the_candidate_bound_fails():
     g = torch.Generator().manual_seed(3)
     keys = torch.randn(2, 3000, 16, generator=g)
     f = forest_of(keys)
+    ps = pages_fast.PageSearch(f)
     f.build(keys)
     q = torch.randn(2, 3, 16, generator=g)
     heads = torch.arange(2)
     reference = reference_pages(f, q, heads, 8, 1, 0.5, CLOSEST)
-    assert f.exhaustive_choices == 0
-    assert torch.equal(pages_fast.select_pages(f, q, heads, 8, 1, 0.5, 128, candidates=1), reference)
-    assert f.exhaustive_choices == 1
-    assert torch.equal(pages_fast.select_pages(f, q, heads, 8, 1, 0.5, 128, candidates=40), reference)
-    assert f.exhaustive_choices == 1, "with 320 candidates the bound holds"
+    assert ps.exhaustive_choices == 0
+    assert torch.equal(ps.select_pages(q, heads, 8, 1, 0.5, 128, candidates=1), reference)
+    assert ps.exhaustive_choices == 1
+    assert torch.equal(ps.select_pages(q, heads, 8, 1, 0.5, 128, candidates=40), reference)
+    assert ps.exhaustive_choices == 1, "with 320 candidates the bound holds"
 
 
 # -- insertion invariant ---------------------------------------------------------------------------
@@ -289,12 +293,38 @@ def check_pages(f, keys):
     assert not f.slot_keys[~held].any(), "a row that holds no key is zero"
 
 
+def check_insert_parents(f, keys, new):
+    """The points new (tree ids) just inserted: each one below the top has as parent its nearest
+    point one level up among those inserted before it (largest sim under the c of this insert,
+    to float32 rounding), or, where none was (the level opened after it), the first point of
+    that level, which adopted it."""
+    c2 = (f.c.double() ** 2)[:, None]
+    k = keys.double()
+    for t in new:
+        level = int(f.level[t])
+        if level == f.top:
+            assert (f.parent[:, t] == -1).all()
+            continue
+        up = f.level_ids(level + 1)
+        before = up[up < t]
+        if len(before) == 0:
+            assert (f.parent[:, t] == up[0]).all(), "adopted by the level's first point"
+            continue
+        sq = k.square().sum(-1)  # (H, n)
+        sim = torch.einsum("hd,hnd->hn", k[:, t], k[:, before]) + \
+            ((c2 - sq[:, before]).clamp_min(0) * (c2 - sq[:, t:t + 1]).clamp_min(0)).sqrt()  # (H, |before|)
+        got = sim.gather(1, (before[None] == f.parent[:, t, None]).float().argmax(1, keepdim=True))[:, 0]
+        assert torch.isin(f.parent[:, t], before).all(), "a parent is an older point one level up"
+        assert (got >= sim.max(1).values - 1e-4 * c2[:, 0]).all(), "the parent is the nearest point one level up"
+
+
 @settings(max_examples=25)
 @given(n0=st.integers(0, 120), inserts=st.lists(st.tuples(st.integers(1, 20), st.booleans()), max_size=8),
        P=st.sampled_from([2, 4, 16]), first=st.sampled_from([3, 10, 100]), seed=st.integers(0, 1000))
 def test_insertion_invariant(n0, inserts, P, first, seed):
     """After the build and after any sequence of inserts (some with longer keys, growing c; small
-    promotion periods open new top levels), the pages partition the keys."""
+    promotion periods open new top levels), the pages partition the keys, and each inserted
+    point's parent is the exact nearest one level up."""
     g = torch.Generator().manual_seed(seed)
     H, D = 2, 8
     total = n0 + sum(m for m, _ in inserts)
@@ -305,15 +335,18 @@ def test_insertion_invariant(n0, inserts, P, first, seed):
         check_pages(f, keys)
     for m, longer in inserts:
         new = torch.randn(H, m, D, generator=g) * (3 if longer else 1)
+        a = f.n
         f.insert(new)
         keys = torch.cat((keys, new), 1)
         check_pages(f, keys)
+        if a:  # (into an empty tree, insert builds it)
+            check_insert_parents(f, keys, range(a, f.n))
     # exhaustive search still exact after all of it
     if f.n:
         q = torch.randn(2, 3, D, generator=g)
         heads = torch.tensor([1, 0])
         k = min(5, f.n)
-        found = top_keys(f, q, heads, k, fov=f.n, prop=1.0)
+        found = top_keys(search_fast.FastSearch(f), q, heads, k, fov=f.n, prop=1.0)
         assert torch.equal(found, exact_top(keys, q, heads, k))
 
 
@@ -333,30 +366,35 @@ def test_build_parent_is_the_nearest_point_one_level_up():
 # -- DCI recall ------------------------------------------------------------------------------------
 
 def test_dci_recall_random_keys():
-    """Gaussian keys (no structure for the tree to find): recall@16 of search.query at the default
-    parameters is at least 0.45 (measured 0.6 at n = 4000), the fast search finds the same top 16,
-    and exhaustive parameters find the exact top 16 and the exact pages (those of the largest
-    max q.k over their keys)."""
+    """Gaussian keys (no structure for the tree to find), 4,000 per head, 32 queries per head:
+    recall@16 at the default parameters is at least 0.955. Measured over seeds 0-9: 0.964 to
+    0.982 (seed 0: 0.972), while the search scores 91-93% of the keys and a random subset of
+    that share reaches 0.909 to 0.927 (mean of 20 draws; the best of 200 draws 0.944): the floor
+    fails a search no better than a random pick of as many keys. The fast search finds the
+    reference's top 16 (search.query's loops, on 4 of the queries), and exhaustive parameters find
+    the exact top 16 and the exact pages (those of the largest max q.k over their keys)."""
     g = torch.Generator().manual_seed(0)
     keys = torch.randn(3, 4000, 64, generator=g)
-    q = torch.randn(3, 4, 64, generator=g)  # 4 queries per KV head
+    q = torch.randn(3, 32, 64, generator=g)
     heads = torch.arange(3)
     f = forest_of(keys)
+    fs, ps = search_fast.FastSearch(f), pages_fast.PageSearch(f)
     f.build(keys)
     exact = exact_top(keys, q, heads, 16)
-    scored = [[query(f, q[h, j], h) for j in range(4)] for h in range(3)]
-    reference = torch.tensor([[sorted(s, key=lambda t: -s[t])[:16] for s in row] for row in scored])
-    assert recall(reference, exact) >= 0.45
+    found = top_keys(fs, q, heads, 16)
+    assert recall(found, exact) >= 0.955
     # the tree pruned: with the authors' scan (batches of 128 projections, nodes the field of view
     # covers scored whole) it scores 91% of 4,000 keys
     assert f.scored / f.searched < 0.95
-    assert recall(top_keys(f, q, heads, 16), reference) == 1.0
+    scored = [[query(f, q[h, j], h) for j in range(4)] for h in range(3)]
+    reference = torch.tensor([[sorted(s, key=lambda t: -s[t])[:16] for s in row] for row in scored])
+    assert recall(found[:, :4], reference) == 1.0
     # scoring exactly 80% of each node (batch 1) and nothing more: below 80%
     f.scored = f.searched = 0
-    top_keys(f, q, heads, 16, batch=1)
+    top_keys(fs, q, heads, 16, batch=1)
     assert f.scored / f.searched < 0.8
-    assert torch.equal(top_keys(f, q, heads, 16, fov=f.n, prop=1.0), exact)
-    pages = pages_fast.select_pages(f, q, heads, 12, f.n, 1.0, CLOSEST)
+    assert torch.equal(top_keys(fs, q, heads, 16, fov=f.n, prop=1.0), exact)
+    pages = ps.select_pages(q[:, :4], heads, 12, f.n, 1.0, CLOSEST)
     for h in range(3):
         for j in range(4):
             best = torch.stack([(keys[h, f.page_tokens(h, p)] @ q[h, j]).max() for p in range(f.n_pages[h])])
@@ -366,9 +404,12 @@ def test_dci_recall_random_keys():
 
 def test_dci_recall_smollm2_keys(smollm2):
     """Keys and queries recorded from SmolLM2 (layers 4, 15, 27; 1,000 keys of documentation text,
-    the next 8 positions' queries): recall@16 at the default parameters is at least 0.65
-    (measured 0.70, 0.67, 0.81; the README's bench runs 2k-8k keys); exhaustive parameters
-    give 1.0."""
+    the next 8 positions' queries): recall@16 at the default parameters, averaged over the three
+    layers, is at least 0.96 (measured 0.971 with the tree's seed 0, 0.971 to 0.978 over seeds
+    0-3; layer 15 alone 0.934 to 0.959). At 1,000 keys the field of view covers most nodes and
+    the search scores 96-99.7% of the keys, so a random subset of that share does as well: the
+    random-key test is the one that separates the tree from a random pick (the README's bench runs
+    2k-8k keys). Exhaustive parameters give 1.0."""
     from minikv.bench.common import text_ids
     from minikv.bench.dci_recall import record_qk, tree_recall
 
@@ -381,4 +422,4 @@ def test_dci_recall_smollm2_keys(smollm2):
         assert scored < 1.0
         exact, _ = tree_recall(q[:, 1000:1008], k[:, :1000], 16, fov=1000, prop=1.0)
         assert exact == 1.0
-    assert sum(recalls) / len(recalls) >= 0.65, recalls
+    assert sum(recalls) / len(recalls) >= 0.96, recalls

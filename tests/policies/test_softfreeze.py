@@ -72,7 +72,7 @@ class Driver:
             k_frozen, v_frozen = layer.frozen_kv(torch.tensor(frozen, dtype=torch.int64))
             assert torch.equal(k_act, K[:, active]) and torch.equal(v_act, V[:, active])
             assert torch.equal(k_frozen, K[:, frozen]) and torch.equal(v_frozen, V[:, frozen])
-            timers = layer.timers(self.policy.steps - 1)
+            timers = layer.timers()
             assert (timers[frozen] > 0).all(), "a due token was not restored"
             assert (timers[active] == 0).all()
 
@@ -260,8 +260,7 @@ def frozen_state(backend, seed=0, steps=25, **params):
 
 def test_soft_reset_unfreezes_timers_above_one(backend):
     d = frozen_state(backend)
-    now = d.policy.steps - 1
-    before = [(layer.frozen_tokens(), layer.timers(now).clone()) for layer in d.policy.layers]
+    before = [(layer.frozen_tokens(), layer.timers().clone()) for layer in d.policy.layers]
     long_ = sum(int((timer[tok] > 1).sum()) for tok, timer in before)
     short = sum(int((timer[tok] == 1).sum()) for tok, timer in before)
     assert long_ > 0 and short > 0, "the setup should have both kinds of timers"
@@ -292,7 +291,7 @@ def test_full_reset_clears_everything(backend):
     d.policy.full_reset()
     for layer in d.policy.layers:
         assert layer.n_frozen == 0 and layer.n_act == layer.n_tok
-        assert int(layer.counts().sum()) == 0 and (layer.timers(d.policy.steps - 1) == 0).all()
+        assert int(layer.counts().sum()) == 0 and (layer.timers() == 0).all()
     d.check_invariants()
     d.step(1)  # counts start over: c = 1 -> d = floor(2 * 1) = 2 with softness 0.5, so some freeze again
     d.check_invariants()

@@ -1,9 +1,13 @@
 """icecache (paper 001): semantic KV pages, the leaves of a DCI tree per KV head.
 
-Read in this order: policy.py (the decode step), tree.py (index, insert), search.py (query and
-page select, the readable form). search_fast.py and pages_fast.py are the batched forms the
-default backends run, tested against search.py.
+Read in this order (README's reading guide): tree.py (the index: Algorithm 2 and the insert),
+search.py (Algorithms 3-4, the readable query), then policy.py (the decode step). search_fast.py and
+pages_fast.py are the batched forms the default backends run, tested against search.py; they
+plug in here, so that the readable modules import none of them.
 """
+from . import pages_fast
 from .policy import IceCache, IceCacheLayer, SemanticPages
+
+IceCache.fast_search = staticmethod(pages_fast.fast_search)
 
 __all__ = ["IceCache", "IceCacheLayer", "SemanticPages"]

@@ -17,7 +17,8 @@ pages (tests/policies/test_dci.py) from the index's rows, stored page by page
      outside the candidates, no other page can enter; otherwise every page is computed.
 
 So each row is touched once in the product and once in a max over P adjacent scores; per-point
-work (gathers, masks) only for 3k pages (docs/icecache_speed.md has the timings).
+work (gathers, masks) only for 3k pages. PageSearch keeps, beside search_fast.FastSearch's
+layouts, each row's SlotMap, and stores the tree's key rows transposed (see its docstring).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from .search_fast import NOT_OPENED, descend, in_window
+from .search_fast import NOT_OPENED, FastSearch, LevelLayout, descend, in_window
 
 CANDIDATE_PAGES = 3  # candidate pages per selected page (C = 3 k)
 
@@ -41,6 +42,51 @@ class SlotMap(NamedTuple):
 
     def select(self, heads: torch.Tensor) -> "SlotMap":
         return SlotMap(self.info.index_select(0, heads), self.empty_bias.index_select(0, heads), self.n_nodes)
+
+
+class PageSearch(FastSearch):
+    """FastSearch for select_pages: also the rows' SlotMap per set of search parameters, kept
+    until a layout changes. It stores the tree's key rows transposed, (H, D, rows) seen as (H,
+    rows, D): the product with every row is then a plain (G, D) x (D, rows) GEMM over
+    contiguous rows. The tree reads and writes its rows by index, whatever their strides."""
+
+    def __init__(self, forest):
+        super().__init__(forest, "eager")
+        keys = forest.slot_keys  # (H, rows, D)
+        forest.slot_keys = keys.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, rows' D apart
+        self._searches: dict[tuple, tuple[list[LevelLayout], SlotMap]] = {}  # (prop, fov, batch) -> kept
+        self.exhaustive_choices = 0  # times select_pages's candidate bound failed
+
+    def joined(self, level, run):
+        super().joined(level, run)
+        self._searches = {}
+
+    def changed(self):
+        super().changed()
+        self._searches = {}
+
+    def search_layouts(self, prop: float, fov: int, batch: int) -> tuple[list[LevelLayout], SlotMap]:
+        """The layouts of levels top .. 1 and the rows' SlotMap, kept as the layouts are."""
+        kept = self._searches.get((prop, fov, batch))
+        if kept is None:
+            layouts = self.layouts(prop, fov, batch)
+            kept = self._searches[(prop, fov, batch)] = layouts, build_slot_map(self.forest, layouts)
+        return kept
+
+    def prepare(self, prop, fov, batch):
+        self.search_layouts(prop, fov, batch)
+
+    def select_pages(self, q, heads, k, fov, prop, batch, candidates: int = CANDIDATE_PAGES):
+        return select_pages(self, q, heads, k, fov, prop, batch, candidates)
+
+    def nbytes(self) -> int:
+        return super().nbytes() + sum(t.numel() * t.element_size() for _, sm in self._searches.values() for t in sm[:-1])
+
+
+def fast_search(forest, backend: str) -> FastSearch:
+    """The batched search for a tree: eager (a CPU), one product with every row (PageSearch);
+    otherwise gathered keys scored by kernels/dci_scores (search_fast.FastSearch)."""
+    return PageSearch(forest) if backend == "eager" else FastSearch(forest, backend)
 
 
 def build_slot_map(forest, layouts) -> SlotMap:
@@ -105,16 +151,17 @@ def page_max(scores: torch.Tensor, P: int) -> torch.Tensor:
     return torch.nn.functional.max_pool1d(scores.view(B * G, 1, X), P).view(B, G, X // P)
 
 
-def select_pages(forest, q: torch.Tensor, heads: torch.Tensor | None, k: int, fov: int, prop: float, batch: int,
-                 candidates: int = CANDIDATE_PAGES) -> torch.Tensor:
+def select_pages(ps: PageSearch, q: torch.Tensor, heads: torch.Tensor | None, k: int, fov: int, prop: float,
+                 batch: int, candidates: int = CANDIDATE_PAGES) -> torch.Tensor:
     """search_fast.select_pages from one product with every row (see the module docstring):
     q (B, G, D), heads (B,) or None for every head in order -> (B, G, k) pages, -1 pad."""
     B, G, D = q.shape
+    forest = ps.forest
     P = forest.P
     qf = q.float()
     heads = torch.arange(forest.H) if heads is None else heads
     same_heads = B == forest.H and torch.equal(heads, torch.arange(forest.H))  # the policy's case
-    layouts, sm = forest.search_layouts(prop, fov, batch)  # kept until the tree changes
+    layouts, sm = ps.search_layouts(prop, fov, batch)  # kept until the tree changes
     if not same_heads:
         layouts, sm = [lay.select(heads) for lay in layouts], sm.select(heads)
     twice_pq = 2 * forest.query_projection(qf.reshape(B * G, D)).view(B, G, 1)  # 2 u.T_Q(q)
@@ -132,7 +179,7 @@ def select_pages(forest, q: torch.Tensor, heads: torch.Tensor | None, k: int, fo
         pages, values = best_pages(visited_page_max(S, lo, sm, cand, P), cand, k)
         if k <= C and bool(((outside < values[..., -1:]) | (outside == float("-inf"))).all()):
             return finish(pages, values, k)
-        forest.exhaustive_choices += 1
+        ps.exhaustive_choices += 1
     every = torch.arange(n_pages).expand(B, G, n_pages)
     return finish(*best_pages(visited_page_max(S, lo, sm, every, P), every, k), k)
 

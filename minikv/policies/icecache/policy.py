@@ -35,6 +35,7 @@ step that fills a page. The query is the current step's q (no speculation, the a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, ClassVar
 
 import torch
 
@@ -43,7 +44,6 @@ from ..base import LayerKV, Policy, dense_attention, param, register
 from ..full import FullLayer
 from ..paged import PagedKV, PagedLayer, check_page_geometry
 from ..pool import Staging
-from . import pages_fast, search_fast
 from .search import CLOSEST, field_of_view, merge_group, page_select
 from .tree import FIRST_PROMOTION, DCIForest, random_direction
 
@@ -108,9 +108,11 @@ class IceCacheLayer(PagedLayer):
         self.anchor = anchor  # None: this layer owns its tree
         if anchor is None:
             self.forest = DCIForest(n_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, page_size=P,
-                                    capacity=policy.max_len, u=policy.u, backend=policy.host_backend)
+                                    capacity=policy.max_len, u=policy.u)
+            # the batched search (backend eager or triton) keeps its state beside the tree
+            self.searcher = None if policy.search == "reference" else policy.fast_search(self.forest, policy.host_backend)
         else:
-            self.forest = anchor.forest
+            self.forest, self.searcher = anchor.forest, anchor.searcher
         self.K = policy.n_select
         pages = SemanticPages(forest=self.forest, owner=anchor is None, page_size=P, dtype=policy.dtype,
                               tiers=policy.tiers)
@@ -135,9 +137,8 @@ class IceCacheLayer(PagedLayer):
         q = q[0].cpu()  # (Hq, D)
         if pol.search == "reference":  # search.py: Algorithms 3-4 as loops over levels and nodes
             return page_select(f, q, K, pol.fov, pol.prop, pol.batch)
-        fast = pages_fast if f.backend == "eager" else search_fast  # one product, or gathered keys
         fov = field_of_view(f.n) if pol.fov is None else pol.fov
-        pages = fast.select_pages(f, q.view(f.H, self.G, -1), None, K, fov, pol.prop, pol.batch)  # (Hkv, G, K)
+        pages = self.searcher.select_pages(q.view(f.H, self.G, -1), None, K, fov, pol.prop, pol.batch)  # (Hkv, G, K)
         return torch.tensor([merge_group(group, K) for group in pages.tolist()], dtype=torch.int64)
 
     # -- the contract ----------------------------------------------------------------------------
@@ -146,8 +147,8 @@ class IceCacheLayer(PagedLayer):
         out = dense_attention(q, k, v)
         self.kv.prefill(k, v)
         f, pol = self.forest, self.policy
-        if self.anchor is None and f.n and f.backend == "eager" and pol.search != "reference":
-            f.search_layouts(pol.prop, field_of_view(f.n) if pol.fov is None else pol.fov, pol.batch)  # with the tree
+        if self.anchor is None and f.n and self.searcher is not None:  # the search's layouts, with the tree
+            self.searcher.prepare(pol.prop, field_of_view(f.n) if pol.fov is None else pol.fov, pol.batch)
         return out
 
     def decode(self, q, k, v, positions):
@@ -197,6 +198,9 @@ class IceCache(Policy):
     small_spec, small_budget = "icecache:page_size=2,budget=16,sink=2,window=4,skip_layers=0", 16
     stats_keys = ("pages_recalled", "pages_recalled_per_step", "keys_scored_fraction", "mean_page_fill")
     offloads = True
+    # the batched search for a tree, fast_search(forest, backend): pages_fast.fast_search, put
+    # here by the package (icecache/__init__.py) so that this module reads without the fast forms
+    fast_search: ClassVar[Callable | None] = None
 
     page_size: int = param(16, low=1)
     budget: int = param(256, low=0, multiple_of="page_size")
@@ -244,9 +248,6 @@ class IceCache(Policy):
 
     def reset_counters(self) -> None:
         self.pages_recalled = 0
-
-    def is_anchor(self, index: int) -> bool:
-        return index >= self.skip_layers and (index - self.skip_layers) % self.reuse_every == 0
 
     def allocate_shared(self) -> None:
         # one pair of recall staging buffers for all layers (they run in turn)

@@ -19,6 +19,8 @@ keys (tests/policies/test_dci.py):
 How the visited keys are scored is the caller's: here the union of a block's visited keys is
 gathered and scored by kernels/dci_scores (the Triton backend's way; each key read once per
 block); pages_fast.py (the eager default on a CPU) multiplies by every key row at once instead.
+FastSearch holds what these forms keep beside a tree (the layouts); the tree (tree.py) tells it
+of each insertion and knows nothing else of it.
 """
 from __future__ import annotations
 
@@ -52,6 +54,57 @@ class LevelLayout(NamedTuple):
 
     def select(self, heads: torch.Tensor) -> "LevelLayout":
         return LevelLayout(*(t.index_select(0, heads) for t in self[:-1]), self.whole)
+
+
+class FastSearch:
+    """The batched search beside one DCIForest: per level and search parameters the part that
+    does not depend on the query (a LevelLayout), kept until the tree changes. The tree tells
+    it (DCIForest.watchers): points that joined a level are merged into the kept order later
+    (`joined`); a growth of c or a new top level changes every projection or the top's parent,
+    and everything is built again (`changed`). backend: kernels/dci_scores' backend for the
+    gathered keys."""
+
+    def __init__(self, forest, backend: str = "eager"):
+        self.forest, self.backend = forest, backend
+        self._layouts: dict[tuple, LevelLayout] = {}  # (level, prop, fov, batch) -> its layout
+        self._joined: dict[tuple, list[torch.Tensor]] = {}  # layout key -> runs that joined its level since
+        forest.watchers.append(self)
+
+    def joined(self, level: int, run: torch.Tensor) -> None:
+        """The points run (r,) joined `level` and nothing else changed."""
+        for key in self._layouts:
+            if key[0] == level:
+                self._joined.setdefault(key, []).append(run)
+
+    def changed(self) -> None:
+        """Projections or parents changed: every layout is built again, from scratch."""
+        self._layouts, self._joined = {}, {}
+
+    def layout(self, level: int, prop: float, fov: int, batch: int) -> LevelLayout:
+        """build_layout's result, kept; after points joined the level and nothing else changed,
+        they are merged into the kept one's order."""
+        key = (level, prop, fov, batch)
+        lay = self._layouts.get(key)
+        joined = self._joined.pop(key, None)
+        if lay is None or joined:
+            lay = self._layouts[key] = build_layout(self.forest, level, prop, fov, batch, lay,
+                                                    torch.cat(joined) if joined else None)
+        return lay
+
+    def layouts(self, prop: float, fov: int, batch: int) -> list[LevelLayout]:
+        """The layouts of levels top .. 1."""
+        return [self.layout(level, prop, fov, batch) for level in range(self.forest.top, 0, -1)]
+
+    def select_pages(self, q: torch.Tensor, heads: torch.Tensor | None, k: int, fov: int, prop: float,
+                     batch: int) -> torch.Tensor:
+        return select_pages(self, q, heads, k, fov, prop, batch)
+
+    def prepare(self, prop: float, fov: int, batch: int) -> None:
+        """Build what the next search needs now (after a prefill, with the tree)."""
+        self.layouts(prop, fov, batch)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for lay in self._layouts.values() for t in lay[:-1])
 
 
 def build_layout(forest, level: int, prop: float, fov: int, batch: int, base: LevelLayout | None = None,
@@ -110,8 +163,6 @@ def merged_by_node(forest, base: LevelLayout, new: torch.Tensor) -> tuple[torch.
     return order, key
 
 
-
-
 def few_float_orders(x: torch.Tensor) -> torch.Tensor:
     """float_order of a few values (a block's queries), on Python numbers: for nine values one
     pass over a list costs less than float_order's seven tensor operations."""
@@ -165,7 +216,7 @@ def descend(forest, twice_pq: torch.Tensor, layouts: list[LevelLayout], fov: int
         expanded = torch.zeros(B, G, n_l + 1, dtype=torch.bool).scatter_(2, chosen, True)
 
 
-def gathered_scores(forest, qf: torch.Tensor, heads: torch.Tensor, lay: LevelLayout, lo: torch.Tensor) -> torch.Tensor:
+def gathered_scores(fs: FastSearch, qf: torch.Tensor, heads: torch.Tensor, lay: LevelLayout, lo: torch.Tensor) -> torch.Tensor:
     """descend's score(): the union of a block's visited points gathered and scored once for
     the block (kernels/dci_scores) -> (B, G, n_l) q.k in layout order, -inf where not visited."""
     B, G = qf.shape[:2]
@@ -179,38 +230,41 @@ def gathered_scores(forest, qf: torch.Tensor, heads: torch.Tensor, lay: LevelLay
     at = at[:, :C]
     rows = torch.where(at < n_l, lay.col.gather(1, at.clamp_max(n_l - 1)), -1)  # key rows
     mask = visit.gather(2, at.clamp_max(n_l - 1)[:, None].expand(B, G, C)) & (at < n_l)[:, None]
-    scores, _ = dci_scores(qf, forest.slot_keys, heads, rows, mask, 0, backend=forest.backend)
+    scores, _ = dci_scores(qf, fs.forest.slot_keys, heads, rows, mask, 0, backend=fs.backend)
     out = torch.full((B, G, n_l + 1), float("-inf")).scatter_(2, at[:, None].expand(B, G, C), scores)
     return out[..., :n_l]
 
 
-def blocks(forest, q: torch.Tensor, heads: torch.Tensor | None, prop: float, fov: int, batch: int):
+def blocks(fs: FastSearch, q: torch.Tensor, heads: torch.Tensor | None, prop: float, fov: int, batch: int):
     """-> (heads (B,), the layouts of levels top .. 1 for those heads, twice_pq (B, G, 1))."""
     B, G, D = q.shape
+    forest = fs.forest
     heads = torch.arange(forest.H) if heads is None else heads
-    layouts = [forest.layout(level, prop, fov, batch) for level in range(forest.top, 0, -1)]
+    layouts = fs.layouts(prop, fov, batch)
     if not (B == forest.H and torch.equal(heads, torch.arange(forest.H))):
         layouts = [lay.select(heads) for lay in layouts]
     twice_pq = 2 * forest.query_projection(q.float().reshape(B * G, D)).view(B, G, 1)  # 2 u.T_Q(q)
     return heads, layouts, twice_pq
 
 
-def search(forest, q: torch.Tensor, heads: torch.Tensor | None, fov: int, prop: float = 0.8, batch: int = CLOSEST):
+def search(fs: FastSearch, q: torch.Tensor, heads: torch.Tensor | None, fov: int, prop: float = 0.8,
+           batch: int = CLOSEST):
     """search.query for blocks: q (B, G, D) -> ids (B, C) tree ids of every level from the top,
     layout order, and scores (B, G, C) float32, q.k where the query scored the key, else -inf."""
-    heads, layouts, twice_pq = blocks(forest, q, heads, prop, fov, batch)
+    forest = fs.forest
+    heads, layouts, twice_pq = blocks(fs, q, heads, prop, fov, batch)
     qf = q.float()
     forest.searched += q.shape[0] * q.shape[1] * forest.n
-    score = lambda lay, lo: gathered_scores(forest, qf, heads, lay, lo)  # noqa: E731
+    score = lambda lay, lo: gathered_scores(fs, qf, heads, lay, lo)  # noqa: E731
     levels = [(lay.order, score(lay, lo) if s is None else s)  # every level's scores, the last's too
               for lay, lo, s in descend(forest, twice_pq, layouts, fov, score)]
     return torch.cat([ids for ids, _ in levels], 1), torch.cat([s for _, s in levels], 2)
 
 
-def top_keys(forest, q: torch.Tensor, heads: torch.Tensor | None, k: int, fov: int | None = None,
+def top_keys(fs: FastSearch, q: torch.Tensor, heads: torch.Tensor | None, k: int, fov: int | None = None,
              prop: float = 0.8, batch: int = CLOSEST) -> torch.Tensor:
     """The k keys of largest q.k the search scores: q (B, G, D) -> tree ids (B, G, k), -1 pad."""
-    ids, scores = search(forest, q, heads, field_of_view(forest.n) if fov is None else fov, prop, batch)
+    ids, scores = search(fs, q, heads, field_of_view(fs.forest.n) if fov is None else fov, prop, batch)
     B, G, C = scores.shape
     if C < k:
         ids = torch.cat((ids, ids.new_full((B, k - C), -1)), 1)
@@ -220,15 +274,16 @@ def top_keys(forest, q: torch.Tensor, heads: torch.Tensor | None, k: int, fov: i
     return torch.where(scores.gather(2, best) > float("-inf"), found, -1)
 
 
-def select_pages(forest, q: torch.Tensor, heads: torch.Tensor | None, k: int, fov: int, prop: float = 0.8,
+def select_pages(fs: FastSearch, q: torch.Tensor, heads: torch.Tensor | None, k: int, fov: int, prop: float = 0.8,
                  batch: int = CLOSEST) -> torch.Tensor:
     """search.find_page_index for blocks: q (B, G, D) -> (B, G, k) the pages of the k largest
     max q.k over the keys each query scored, ties to the lower page, -1 pad."""
     B, G, _ = q.shape
-    heads, layouts, twice_pq = blocks(forest, q, heads, prop, fov, batch)
+    forest = fs.forest
+    heads, layouts, twice_pq = blocks(fs, q, heads, prop, fov, batch)
     qf = q.float()
     forest.searched += B * G * forest.n
-    score = lambda lay, lo: gathered_scores(forest, qf, heads, lay, lo)  # noqa: E731
+    score = lambda lay, lo: gathered_scores(fs, qf, heads, lay, lo)  # noqa: E731
     best = torch.full((B, G, forest.max_pages + 1), float("-inf"))  # per page, its best scored key
     for lay, lo, scores in descend(forest, twice_pq, layouts, fov, score):
         scores = score(lay, lo) if scores is None else scores

@@ -7,7 +7,9 @@ ICLR 2026 submission, arXiv:2604.10539, https://arxiv.org/abs/2604.10539 (Sec. 3
                                _similarity (key to key, for parents)
   Algorithm 2, DCI-INDEXING    DCIForest.build: levels, each point's parent, pages
   Alg. 1 lines 26-36, insert   DCIForest.insert: a window page's keys into their parents' pages
-  Algorithms 3-4, the query    search.py (readable); search_fast.py, pages_fast.py (batched)
+  Algorithms 3-4, the query    search.py (readable); search_fast.py, pages_fast.py (batched:
+                               they keep state beside the tree, which tells them of each change
+                               through DCIForest.watchers)
 
 With c >= every key's norm, T_K(k) = [k/c, sqrt(1 - |k|^2/c^2)] and T_Q(q) = [q/|q|, 0] are unit
 vectors and |T_Q(q) - T_K(k)|^2 = 2 - 2 q.k/(|q| c): the nearest key has the largest q.k. Between
@@ -27,9 +29,6 @@ Decisions (docs/design.md, "icecache"; the authors' M-DCI code where the paper i
 from __future__ import annotations
 
 import torch
-
-from .pages_fast import SlotMap, build_slot_map
-from .search_fast import LevelLayout, build_layout
 
 FIRST_PROMOTION = 100  # a point in 100 reaches level 2 (the authors' ratio_1 = 0.01)
 NEXT_PROMOTION = 5  # a level-l point in 5 reaches level l + 1 (ratio_2 = 0.2)
@@ -72,13 +71,14 @@ class DCIForest:
     slot_keys (H, max_pages P, D) float32: the index's copy of the keys, page by page (row c P + s
     holds page c's slot s; empty slots are zero). Per point: level (shared by the heads: the counter
     depends only on t), parent (H, cap), and its page and slot (H, cap): its row is page P + slot.
-    Per page: fill (H, max_pages) and the tree id in each slot."""
+    Per page: fill (H, max_pages) and the tree id in each slot. watchers: what keeps state
+    derived from the tree (the batched searches), told of each change (joined, changed)."""
 
     def __init__(self, *, n_heads: int, head_dim: int, page_size: int, capacity: int, u: torch.Tensor,
-                 first: int = FIRST_PROMOTION, nxt: int = NEXT_PROMOTION, backend: str = "eager"):
+                 first: int = FIRST_PROMOTION, nxt: int = NEXT_PROMOTION):
         H, D, P = n_heads, head_dim, page_size
         self.H, self.D, self.P, self.cap = H, D, P, capacity
-        self.first, self.nxt, self.backend = first, nxt, backend
+        self.first, self.nxt = first, nxt
         self.u = u.float()  # (D + 1,)
         # pages: every parent has at most one page that is not full (its open one), and the
         # parents are the root and the points above level 1 (at most capacity // first)
@@ -86,16 +86,8 @@ class DCIForest:
         self.n = 0
         self.top = 0  # number of levels (0: empty tree)
         # the index's keys, page-major: (H, max_pages P, D), a point's row its page's P rows plus its
-        # slot. A point never changes page, so the rows never move; the eager search multiplies the
-        # queries by every row at once and takes each page's best key as a max over P adjacent
-        # scores (pages_fast.select_pages). Stored transposed, (H, D, rows), that product is
-        # a plain (G, D) x (D, rows) GEMM over contiguous rows (docs/icecache_speed.md). The
-        # Triton scorer gathers key rows, so it keeps them row-major.
-        rows = self.max_pages * P
-        if backend == "eager":
-            self.slot_keys = torch.zeros((H, D, rows), dtype=torch.float32, device="cpu").transpose(1, 2)
-        else:
-            self.slot_keys = torch.zeros((H, rows, D), dtype=torch.float32, device="cpu")
+        # slot. A point never changes page, so the rows never move (a search may keep positions)
+        self.slot_keys = torch.zeros((H, self.max_pages * P, D), dtype=torch.float32, device="cpu")
         # |k|^2 and c in float64: sqrt(c^2 - |k|^2) of the longest keys, the ones MIPS is about,
         # takes the square root of a difference near 0, where float32 would lose ~1e-3
         self.sq = torch.zeros(H, capacity, dtype=torch.float64)  # |k|^2
@@ -105,9 +97,7 @@ class DCIForest:
         self.level = torch.zeros(capacity, dtype=torch.int64)
         self.pos_in_level = torch.zeros(capacity, dtype=torch.int64)
         self._level_ids: dict[int, torch.Tensor] = {}  # level -> its tree ids (level_ids)
-        self._layouts: dict[tuple, LevelLayout] = {}  # per (level, search parameters), see layout()
-        self._joined: dict[tuple, list[torch.Tensor]] = {}  # layout key -> runs that joined its level since
-        self._searches: dict[tuple, tuple] = {}  # per search parameters: (layouts, SlotMap), search_layouts()
+        self.watchers: list = []  # told of each change: joined(level, run) or changed()
         self.parent = torch.full((H, capacity), -1, dtype=torch.int64)
         self.page_of = torch.full((H, capacity), -1, dtype=torch.int64)
         self.slot_of = torch.full((H, capacity), -1, dtype=torch.int64)
@@ -117,7 +107,6 @@ class DCIForest:
         self.open_page: list[dict[int, int]] = [{} for _ in range(H)]  # parent -> its open page
         self.scored = 0  # keys scored by searches, and the keys in the tree at each: stats
         self.searched = 0
-        self.exhaustive_choices = 0  # times pages_fast.select_pages's candidate bound failed
 
     # -- the MIPS transform (Eqs. 2-3) ---------------------------------------------------------
     def _project(self, uk: torch.Tensor, sq: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -159,7 +148,7 @@ class DCIForest:
         if torch.equal(c_new, self.c):
             return
         self.c = c_new
-        self._invalidate_layouts()  # every projection changed
+        self._changed()  # every projection changed
         n = self.n
         self.proj[:, :n] = self._project(self.uk[:, :n], self.sq[:, :n], self.c)
 
@@ -262,7 +251,8 @@ class DCIForest:
                 sim = self._similarity(keys[:, t - a:end - a].float(), self.sq[:, run], self.key_rows(up), self.sq[:, up])
                 parents = up[sim.argmax(dim=2)]  # (H, r)
             self._add_to_level(run, level)
-            self._joined_level(level, run)
+            for watcher in self.watchers:
+                watcher.joined(level, run)
             self.parent[:, run] = parents
             self.n = end
             self._place(run, parents)
@@ -274,7 +264,7 @@ class DCIForest:
         # children, the root's pages its pages (no token moves), and t becomes the root's child
         old_top = self.level_ids(self.top)
         self.parent[:, old_top] = t
-        self._invalidate_layouts()
+        self._changed()
         for h in range(self.H):
             if -1 in self.open_page[h]:
                 self.open_page[h][t] = self.open_page[h].pop(-1)
@@ -299,37 +289,10 @@ class DCIForest:
         self.page_token[heads, pages, slots] = tokens
         self.fill[heads, pages] = slots + 1
 
-    # -- what the batched search keeps between queries (search_fast, pages_fast) -------------------
-    def layout(self, level: int, prop: float, fov: int, batch: int) -> LevelLayout:
-        """The query-independent part of a level's search (search_fast.build_layout), kept until
-        an insertion or a growth of c (both change projections or nodes). After points joined
-        the level and nothing else changed, they are merged into the kept one's order."""
-        key = (level, prop, fov, batch)
-        lay = self._layouts.get(key)
-        joined = self._joined.pop(key, None)
-        if lay is None or joined:
-            lay = self._layouts[key] = build_layout(self, level, prop, fov, batch, lay,
-                                                    torch.cat(joined) if joined else None)
-        return lay
-
-    def search_layouts(self, prop: float, fov: int, batch: int) -> tuple[list[LevelLayout], SlotMap]:
-        """The layouts of levels top .. 1 and the rows' SlotMap (pages_fast), kept as layout()."""
-        kept = self._searches.get((prop, fov, batch))  # dropped whenever a layout changes
-        if kept is None:
-            layouts = [self.layout(level, prop, fov, batch) for level in range(self.top, 0, -1)]
-            kept = self._searches[(prop, fov, batch)] = layouts, build_slot_map(self, layouts)
-        return kept
-
-    def _invalidate_layouts(self) -> None:
-        # projections or parents changed: every layout is built again, from scratch
-        self._layouts, self._joined, self._searches = {}, {}, {}
-
-    def _joined_level(self, level: int, run: torch.Tensor) -> None:
-        # the points run (r,) joined `level` and nothing else changed: its layouts merge them later
-        for key in self._layouts:
-            if key[0] == level:
-                self._joined.setdefault(key, []).append(run)
-        self._searches = {}
+    def _changed(self) -> None:
+        # projections or parents changed: what the watchers derived from them is stale
+        for watcher in self.watchers:
+            watcher.changed()
 
     # -- reading ---------------------------------------------------------------------------------
     def page_tokens(self, h: int, page: int) -> list[int]:
@@ -339,6 +302,4 @@ class DCIForest:
     def nbytes(self) -> int:
         tensors = [self.slot_keys, self.sq, self.uk, self.proj, self.c, self.level, self.pos_in_level, self.parent,
                    self.page_of, self.slot_of, self.fill, self.page_token]
-        tensors += [t for lay in self._layouts.values() for t in lay[:-1]]  # the search layouts
-        tensors += [t for _, sm in self._searches.values() for t in sm[:-1]]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in tensors) + sum(w.nbytes() for w in self.watchers)

@@ -23,8 +23,9 @@ def _counter(name: str):
     return property(lambda self: getattr(self.state, name)[self.index], set_)
 
 
-class SoftFreezeLayer(LayerKV):
-    """One layer's view of the policy's stacked tiers (schedule_fast.FreezeTiers)."""
+class FastAlgorithm1Layer(LayerKV):
+    """The fast form of schedule.Algorithm1Layer: one layer's view of the policy's stacked tiers
+    (schedule_fast.FreezeTiers), which run lines 3-15 for all layers at once."""
 
     state = property(lambda self: self.policy.state)  # the FreezeTiers of all layers
     n_act = _counter("n_act")  # active tokens: slots [0, n_act) of k, v
@@ -105,10 +106,10 @@ class SoftFreezeLayer(LayerKV):
         """K and V (Hkv, f, D) of frozen tokens tok (f,), as the host tier holds them."""
         return self.kv_host[tok, 0].transpose(0, 1), self.kv_host[tok, 1].transpose(0, 1)
 
-    def timers(self, now: int) -> torch.Tensor:
-        """(n_tok,) each token's remaining d_j after step now (0: active)."""
+    def timers(self) -> torch.Tensor:
+        """(n_tok,) each token's remaining d_j after the last step (0: active)."""
         thaw = self.thaw_at[: self.n_tok]
-        return torch.where(thaw == NOT_FROZEN, 0, thaw - now)
+        return torch.where(thaw == NOT_FROZEN, 0, thaw - (self.policy.steps - 1))  # thaw_at = t + d
 
     def counts(self) -> torch.Tensor:
         """c_j of every token (n_tok,): with a history window, all detections so far."""

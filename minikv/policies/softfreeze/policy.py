@@ -13,7 +13,8 @@ back bit for bit and is judged again. Where to read what:
     schedule.Algorithm1Layer     Algorithm 1 per layer, the paper's names: backend=reference
     recovery.RecoveryLadder      Entropy-Guided Recovery, the rungs SR, WR, FR, RR (Section 3.6)
     kernels/attention_relevance  lines 1-2: attention and s_j in one pass (reference.py)
-    schedule_fast, layer_fast    the fast form of the same schedule, all layers at once (default)
+    schedule_fast, layer_fast    the fast form of the same schedule, all layers at once (default;
+                                 the package plugs it in: this module does not import it)
 
 The paper's rules: `softfreeze:paper` (preset=paper: score=raw, tau=0.5, the paper's Eq. 2 and
 threshold; k = 2 and K = 32 are the defaults already). Decisions (docs/design.md, "softfreeze" and
@@ -34,16 +35,14 @@ and leaves it to future work; its trigger and rungs here are minikv's design (re
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from ..base import Policy, StepAction, param, register
-from .layer_fast import SoftFreezeLayer
 from .recovery import RecoveryLadder
 from .schedule import Algorithm1Layer
-from .schedule_fast import FreezeTiers
 
 
 @register
@@ -62,11 +61,17 @@ class SoftFreeze(RecoveryLadder, Policy):
     stats_keys = ("compression", "total_tokens", "freezes", "thaws", "spikes", "rewalks", "recovered_tokens")
     offloads = True
     reports_attended = False  # attended_indices() answers None though frozen tokens are not read
+    # the fast form (backend eager or triton): the state of all layers stacked, which runs lines
+    # 3-15 for every layer at once (schedule_fast.FreezeTiers), and a layer that views it
+    # (layer_fast.FastAlgorithm1Layer). The package puts them here (softfreeze/__init__.py), so
+    # that this module and schedule.py read without them.
+    fast_tiers: ClassVar[type | None] = None
+    fast_layer: ClassVar[type | None] = None
 
     window: int = param(32, "the paper's K: the most recent tokens, never frozen", low=0)
     tau: float = param(1.0, "relevance threshold: a token with s_j < tau is counted (line 3)", low=0)
     # k > 2^16 would need over 2^32 detections before a first freeze, more than any context
-    # holds: the bound keeps c_min's arithmetic finite and loses no behaviour
+    # holds: the bound keeps the fast form's arithmetic (c_min) finite and loses no behaviour
     softness: float = param(2.0, "the paper's k in Eq. 3: d_j = floor(sqrt(c_j) / k)", above=0, high=2.0**16)
     history: int | None = param(None, "the paper's W: only the last W steps' detections count (none: all; "
                                       "capped by the context)", low=1)
@@ -88,12 +93,6 @@ class SoftFreeze(RecoveryLadder, Policy):
 
     def __post_init__(self):
         super().__post_init__()
-        # Eq. 3 gives d_j > 0 from c_j = c_min on: the smallest c with floor(sqrt(c) / k) >= 1,
-        # about k^2 (computed, not searched for: a huge k would make a search spin)
-        c = max(1, math.floor(self.softness**2) - 1)
-        while math.floor(math.sqrt(c) / self.softness) < 1:
-            c += 1
-        self.c_min = c
         if self.follow and self.score != "attention":
             raise ValueError(f"follow needs score=attention (a softmax weight to compare with), got score={self.score}")
         self.follow_weight = (0.1 if self.score == "attention" else 0.0) if self.follow is None else self.follow
@@ -105,18 +104,14 @@ class SoftFreeze(RecoveryLadder, Policy):
 
     def bind(self, cfg, **kwargs) -> "SoftFreeze":
         super().bind(cfg, **kwargs)
-        # Eq. 3 tabulated for the fast form, d = floor(sqrt(c) / k), one lookup per step. A count
-        # grows at most once a step, and every step that does not rewind adds a token, so between
-        # two resets of the counts (full_reset, which every rewalk runs first) a count reaches at
-        # most max_len: the table's size follows the context, whatever rewalk_tokens and max_rewalks
-        c = torch.arange(self.max_len + 1, dtype=torch.float64)
-        # for the same reason a history of W >= max_len steps counts every detection: it is
-        # `none`, without the (layers, max_len, W) table of detection steps
+        # a count grows at most once a step, and every step that does not rewind adds a token, so
+        # between two resets of the counts (full_reset, which every rewalk runs first) a count
+        # reaches at most max_len: a history of W >= max_len steps counts every detection, and is
+        # `none`, without a (layers, max_len, W) table of detection steps
         W = self.declared_history
         self.history = None if W is None or W >= self.max_len else W
-        self.duration = torch.floor(torch.sqrt(c) / self.softness).long().to(self.tiers.device)
-        if self.backend != "reference":  # the fast form: the tiers and state of all layers, stacked
-            self.state = FreezeTiers(self, cfg.n_layers)
+        # the fast form's stacked state of all layers (None: Algorithm1Layer, each its own)
+        self.state = None if self.backend == "reference" else self.fast_tiers(self, cfg.n_layers)
         self.scores: list[torch.Tensor | None] = [None] * cfg.n_layers  # each layer's s_j of this forward
         self.entropies: list[float] = []  # H of each step's next-token distribution, nats
         self.level = 0  # the ladder's current rung, 0 = calm
@@ -128,7 +123,7 @@ class SoftFreeze(RecoveryLadder, Policy):
         return self
 
     def make_layer(self, index: int):
-        return Algorithm1Layer(self, index) if self.backend == "reference" else SoftFreezeLayer(self, index)
+        return Algorithm1Layer(self, index) if self.backend == "reference" else self.fast_layer(self, index)
 
     # -- per step ----------------------------------------------------------------------------
     def end_step(self, logits: torch.Tensor | None = None) -> StepAction | None:
@@ -163,10 +158,10 @@ class SoftFreeze(RecoveryLadder, Policy):
         # follow: the tokens a head read this step, taken before the schedule moves any
         read = None if not self.follow_weight else [layer.active_tokens()[s >= self.follow_weight * len(s)]
                                                     for layer, s in zip(self.layers, scores)]
-        if self.backend == "reference":
+        if self.state is None:
             for layer, s in zip(self.layers, scores):
                 layer.step(s, now)
-        else:
+        else:  # the same step for all layers at once
             self.state.schedule_all(scores, now)
         if read is not None:
             self.thaw_successors(read)

@@ -42,7 +42,7 @@ class RecoveryLadder:
 
     def climb(self, rung: int, now: int) -> StepAction | None:
         if rung == 1:
-            self.soft_reset(now)
+            self.soft_reset()
         elif rung == 2:
             self.window_reset(now)
         elif rung == 3:
@@ -52,10 +52,9 @@ class RecoveryLadder:
             return StepAction(rewind=n) if n else None
         return None
 
-    def soft_reset(self, now: int | None = None) -> int:
-        """SR: unfreeze the tokens whose remaining timer d_j is > 1 (at the end of step now)."""
-        now = self.steps - 1 if now is None else now
-        n = sum(layer.unfreeze_where(layer.timers(now) > 1) for layer in self.layers)
+    def soft_reset(self) -> int:
+        """SR: unfreeze the tokens whose remaining timer d_j is > 1 (after the last step)."""
+        n = sum(layer.unfreeze_where(layer.timers() > 1) for layer in self.layers)
         return self._recovered("soft_resets", n)
 
     def window_reset(self, now: int | None = None) -> int:

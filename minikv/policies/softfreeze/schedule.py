@@ -158,8 +158,8 @@ class Algorithm1Layer(LayerKV):
         """K and V (Hkv, f, D) of frozen tokens tok (f,), as the host tier holds them."""
         return self.kv_host[tok, 0].transpose(0, 1), self.kv_host[tok, 1].transpose(0, 1)
 
-    def timers(self, now: int) -> torch.Tensor:
-        """(n_tok,) each token's remaining d_j after step now (0: active)."""
+    def timers(self) -> torch.Tensor:
+        """(n_tok,) each token's remaining d_j after the last step (0: active)."""
         return self.d[: self.n_tok]
 
     def counts(self) -> torch.Tensor:

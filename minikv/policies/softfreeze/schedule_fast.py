@@ -2,11 +2,10 @@
 
 Paper: "Adaptive Soft Rolling KV Freeze with Entropy-Guided Recovery" (Metinov et al., arXiv
 2025, https://arxiv.org/abs/2512.11221). The readable form is schedule.py (Algorithm1Layer,
-`backend=reference`); this one runs by default (`backend=eager`, and `triton`): it is faster on
-a CPU (SmolLM2, 1 thread: 204 against 223 ms a token, docs/softfreeze.md), because layer by
-layer the step is ~25 small tensor ops per layer, 750 a step on 30 layers, which cost more than
-the K/V they move. tests/policies/test_softfreeze_schedule.py holds the two to the same
-freezes, thaws, timers, counts and K/V, step by step.
+`backend=reference`); this one runs by default (`backend=eager`, and `triton`): layer by layer
+the step is ~25 small tensor ops per layer, 750 a step on 30 layers, which cost more than the K/V
+they move (docs/softfreeze.md has the timings). tests/policies/test_softfreeze_schedule.py holds
+the two to the same freezes, thaws, timers, counts and K/V, step by step.
 
 The state of all layers is stacked with a leading layer axis; after the last layer
 `schedule_all` runs the step for every layer: one comparison over a (layers, slots) tensor
@@ -22,15 +21,28 @@ Layout (L layers, N = max_len, cap slots per layer, grown by doubling for all la
     on_host   (L, N) bool          the host holds the token's K/V already (K/V never change, so
                                    a refreeze moves nothing)
     count, thaw_at, frozen_at (L, N); seen (L, N, W) with a history window W only
-Freezing swap-removes slots (the last active slots fill the holes); restoring appends.
+Freezing swap-removes slots (the last active slots fill the holes); restoring appends. Eq. 3 is
+tabulated (duration[c] = floor(sqrt(c) / k), one lookup per step) and line 6's d_j > 0 is
+c_j >= c_min.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
 
 NOT_FROZEN = torch.iinfo(torch.int64).max  # thaw_at of a token that is not frozen
+
+
+def first_freezing_count(k: float) -> int:
+    """c_min: Eq. 3 gives d_j > 0 from c_j = c_min on, the smallest c with floor(sqrt(c) / k) >= 1,
+    about k^2 (computed, not searched for from 1: a huge k would make a search spin)."""
+    c = max(1, math.floor(k**2) - 1)
+    while math.floor(math.sqrt(c) / k) < 1:
+        c += 1
+    return c
 
 
 class FreezeTiers:
@@ -41,6 +53,10 @@ class FreezeTiers:
         self.p, self.L, self.N = p, n_layers, p.max_len
         self.Hkv, self.D = cfg.n_kv_heads, cfg.head_dim
         dev, L, N = p.tiers.device, n_layers, p.max_len
+        # Eq. 3 for every count a token can reach: a count grows at most once a step and is reset
+        # by every rewalk (SoftFreeze.bind), so it stays <= max_len
+        self.duration = torch.floor(torch.sqrt(torch.arange(N + 1, dtype=torch.float64)) / p.softness).long().to(dev)
+        self.c_min = first_freezing_count(p.softness)
         self.cap = 0
         self.kv = self._slots = None  # allocated by reserve()
         self.appended: list[tuple[int, int]] = []  # (flat slot l * cap + a, token) of appends not in slots yet
@@ -189,13 +205,13 @@ class FreezeTiers:
         if p.history is None:
             c = self.slot_count[:, :A]
             c += low  # line 4, every slot of every layer at once
-            freeze = low & (c >= p.c_min)  # line 6: d_j > 0 exactly when c_j >= c_min
+            freeze = low & (c >= self.c_min)  # line 6: d_j > 0 exactly when c_j >= c_min
             lf, jf = freeze.nonzero().unbind(1)  # (f,) layer and slot of each token to freeze
             cf = c[lf, jf]
         else:
             lw, jw = low.nonzero().unbind(1)
             c = self._detect(lw, self.slot_tok[lw, jw], now)  # line 4 within the last W steps
-            lf, jf, cf = lw[c >= p.c_min], jw[c >= p.c_min], c[c >= p.c_min]
+            lf, jf, cf = lw[c >= self.c_min], jw[c >= self.c_min], c[c >= self.c_min]
             freeze = torch.zeros_like(low)
             freeze[lf, jf] = True
         f = freeze.sum(dim=1)  # (L,) tokens frozen per layer
@@ -204,7 +220,7 @@ class FreezeTiers:
             at = lf * self.cap + jf  # (f,) the slots, in slots.view(2, -1)
             tok = self.slots[0].view(-1).index_select(0, at)  # (f,) their tokens
             key = lf * self.N + tok  # (f,) (layer, token) in the (L, N) tables, flat
-            d = p.duration.index_select(0, cf)  # line 5, Eq. 3 (tabulated)
+            d = self.duration.index_select(0, cf)  # line 5, Eq. 3 (tabulated)
             self.thaw_at.view(-1).index_copy_(0, key, now + d)  # lines 10-15 skip the new ones this step
             self.frozen_at.view(-1).index_fill_(0, key, now)
             if p.history is None:
