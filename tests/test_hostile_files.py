@@ -23,7 +23,7 @@ from minikv.cli import run_command
 from minikv.config import ModelConfig
 from minikv.generate.__main__ import main as generate_main
 from minikv.models import build_model
-from minikv.tokenizer import Tokenizer, byte_to_unicode, load_tokenizer, save_tokenizer_files
+from minikv.tokenizer import Tokenizer, byte_to_unicode, load_tokenizer, save_tokenizer_files, tokenizer_from_gguf
 
 from .test_loading import TINY, write_checkpoint
 
@@ -269,7 +269,7 @@ def model_dir(tmp_path: Path, raw=TINY) -> Path:
     """A checkpoint with tokenizer files, so that `generate` gets as far as reading weights."""
     d = tmp_path / "model"
     write_checkpoint(d, {**TINY, "vocab_size": len(TOKENS)})
-    save_tokenizer_files(Tokenizer.from_gguf(tiny_gguf(tmp_path / "tok.gguf")), d)
+    save_tokenizer_files(tokenizer_from_gguf(tiny_gguf(tmp_path / "tok.gguf")), d)
     if raw is not TINY:
         (d / "config.json").write_text(raw if isinstance(raw, str) else json.dumps(raw))
     return d

@@ -34,8 +34,10 @@ def imported(name: str, node: ast.AST) -> list[str]:
         base = f"{package}.{node.module}" if node.module else package
     else:
         base = node.module or ""
-    found = [base] if base in MODULES else []
-    return found + [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES]
+    submodules = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES]
+    if len(submodules) == len(node.names):  # `from . import a, b`: only the submodules are read
+        return submodules
+    return ([base] if base in MODULES else []) + submodules
 
 
 def module_level(tree: ast.Module):

@@ -79,6 +79,7 @@ class MyH2O(Policy):
     """H2O written outside minikv (docs/extending.md): recent window plus heavy hitters."""
 
     name = "myh2o"
+    kernels = ("decode_attention",)  # the operation it runs with its backend (so triton is checked too)
     budget: int = param(256, "most tokens attention reads per KV head, the new one included", low=2)
     window: int | None = param(None, "most recent tokens never evicted (none: half the cache)", low=0)
 

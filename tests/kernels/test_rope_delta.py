@@ -9,14 +9,8 @@ from hypothesis import strategies as st
 
 from minikv.kernels import check_backend, lookup
 from minikv.kernels.rope_delta import rope_delta, rope_delta_
-def test_reference_is_rotary_embedding_at_position_delta(device):
-    """The op's reference is models/rope.py's RoPE at position delta (rotations compose)."""
-    rope = RotaryEmbedding(64, 32, 10000.0)
-    x = random_tensor((2, 3, 7, 64), torch.float32, 1, device)
-    delta = torch.tensor([0, 1, -1, 100, -100, 4000, -4000], device=device)
-    cos, sin = rope.cos_sin(delta)
-    torch.testing.assert_close(rope_delta(x, delta, rope.inv_freq.to(device)), apply_rotary(x, cos.to(device), sin.to(device)),
-                               atol=1e-6, rtol=0)
+from minikv.models.rope import RotaryEmbedding, apply_rotary
+from minikv.testing import assert_close, check, random_tensor, strategies
 
 BACKENDS = ["eager", "triton"]
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from minikv.policies import available, make
+from minikv.policies.softfreeze.schedule_fast import first_freezing_count
 from minikv.policies.synckv.clusters import FORMAT, config_sha256
 from minikv.testing import PolicyContractError, check_policy
 
@@ -99,7 +100,7 @@ def test_a_size_past_the_context_costs_what_the_default_costs(gqa3, spec, defaul
         stats = policy.stats()
         allocated[s] = stats["device_bytes_allocated"] + stats["host_bytes_allocated"]
         if s.startswith("softfreeze"):  # Eq. 3's table: one entry per count a context can reach
-            assert policy.duration.numel() <= 51
+            assert policy.state.duration.numel() <= 51
     assert allocated[spec] <= allocated[default], allocated
 
 
@@ -112,4 +113,4 @@ def test_streaming_refuses_a_window_past_the_model_positions(gqa3):
 def test_softness_inf_is_refused_at_once():
     with pytest.raises(ValueError, match="softness must be a finite float"):
         make("softfreeze:softness=inf")
-    assert make("softfreeze:softness=65536").c_min == 2**32  # the largest k: d = 1 from c = k^2 on, computed
+    assert first_freezing_count(65536.0) == 2**32  # the largest k: d = 1 from c = k^2 on, computed
