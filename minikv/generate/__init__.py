@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import operator
-import statistics
 import threading
 import time
 from contextlib import contextmanager
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..policies import Policy, make
+from .timing import decode_bandwidth, measure_read_bandwidth, synchronize, weight_bytes_per_step  # noqa: F401
 
 
 DEFAULT_MAX_NEW_TOKENS = 128  # the API's and the command line's default
@@ -109,13 +109,6 @@ def tokens_progress(progress, n_tokens: int):
     if progress is None:
         return None
     return lambda layer, n_layers: progress(round(n_tokens * layer / n_layers), n_tokens)
-
-
-def synchronize(device) -> None:
-    """Wait for the device's queued work, so that a timer read after it counts that work (CUDA
-    runs kernels asynchronously; a no-op on the CPU)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def decode_one_token(model, token: torch.Tensor, position: torch.Tensor, policy: Policy) -> torch.Tensor:
@@ -293,48 +286,6 @@ def sequence_stats(prompt: list[int], new: list[int], eos_ids, max_new_tokens: i
     """One sequence of a batch: its own counts (its timing is the batch's)."""
     finish = "eos" if new and new[-1] in eos_ids else "length"
     return {"prompt_tokens": len(prompt), "new_tokens": len(new), "finish": finish}
-
-
-def weight_bytes_per_step(model) -> int:
-    """Bytes of weights one decode step reads: every parameter once, except the input embedding,
-    of which a step reads one row per sequence (unless it is tied to the output head, which reads
-    it whole: parameters() lists a tied tensor once)."""
-    embedding, head = model.embed.weight, model.lm_head.weight
-    total = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding or p is head)
-    return total + (embedding[0].numel() * embedding.element_size() if embedding is not head else 0)
-
-
-def measure_read_bandwidth(device="cpu", mbytes: int = 256, repeats: int = 5) -> float:
-    """Bytes/s one large-tensor read reaches on `device` with torch's current thread count: the
-    median of `repeats` timed sums over a float32 tensor of `mbytes` MB, far larger than the CPU's
-    caches, so that every byte comes from memory. This is the line a decode step, which reads
-    every weight once, can at best reach. On the CPU the tensor is in transparent huge pages, as
-    the model's weights are (fast/hugepages.py): both sides of the ratio read the same kind
-    of memory (huge pages read ~1.25x faster here than the allocator's)."""
-    device = torch.device(device)
-    from ..fast.hugepages import empty  # (fast/ is applied from outside: imported when measured)
-
-    x = empty((mbytes * 2**20 // 4,), torch.float32, device).fill_(1.0)
-    times = []
-    for _ in range(repeats + 1):  # the first read warms up (page faults, kernel launch)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        x.sum()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return x.numel() * x.element_size() / statistics.median(times[1:])
-
-
-def decode_bandwidth(bytes_per_step: float, tpot_s: float, read_bandwidth: float | None = None) -> dict:
-    """Achieved bandwidth of decoding (bytes read per step / time per step), and its share of the
-    machine's read bandwidth (bytes/s, e.g. measure_read_bandwidth()) when given."""
-    achieved = bytes_per_step / tpot_s
-    out = {"bytes_per_token": bytes_per_step, "bandwidth_gb_s": achieved / 1e9}
-    if read_bandwidth:
-        out.update(read_bandwidth_gb_s=read_bandwidth / 1e9, bandwidth_share=achieved / read_bandwidth)
-    return out
 
 
 def generation_stats(policy, prompts, new, ttft, step_times, total, model=None) -> dict:
