@@ -16,19 +16,19 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 # the hypothesis profiles of minikv.testing: "ci" by default, HYPOTHESIS_PROFILE=dev for more
-from minikv.testing import default_device, load_profile  # noqa: E402
+from minikv.testing import load_profile  # noqa: E402
 
 load_profile()
+
+from .fixtures import DEVICE, hf_smollm2, reference_dir, smollm2, smollm2_cpu  # noqa: E402,F401  (shared fixtures)
 
 
 @pytest.fixture(scope="session")
 def device():
-    """Where kernel tests build their tensors: the GPU when there is one, else the CPU (Triton's
-    interpreter). Session-scoped, so that hypothesis' @given tests may take it."""
-    return default_device()
-
-
-from .fixtures import hf_smollm2, reference_dir, smollm2  # noqa: E402,F401  (shared fixtures)
+    """Where kernel and policy tests build their tensors: fixtures.DEVICE, the GPU when there is
+    one, else the CPU (Triton's interpreter). Session-scoped, so that hypothesis' @given tests may
+    take it."""
+    return DEVICE
 
 
 # -- the default run leaves out the slow tests: say how many, and how to run them ---------------
@@ -58,9 +58,3 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_line(
             f"{_deselected['count']} slow tests deselected by -m {config.getoption('markexpr')!r} "
             "(pyproject addopts); run them with: python -m pytest -m slow")
-
-
-@pytest.fixture(scope="session")
-def device() -> str:
-    """The test device: "cuda" when present (Triton kernels run compiled), else "cpu" (interpreted)."""
-    return "cuda" if torch.cuda.is_available() else "cpu"

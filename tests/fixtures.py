@@ -1,15 +1,39 @@
-"""Shared fixtures: the real model, loaded once per test session (imported by conftest.py)."""
+"""Shared fixtures: the test device, the real model, loaded once per test session (imported by
+conftest.py).
+
+The test device is one value, minikv.testing.default_device(): "cuda" when present (Triton's
+kernels run compiled), else the CPU (Triton's interpreter). Tests take it as the `device` fixture
+(conftest.py) or, in module-level helpers, as DEVICE. A test that needs the CPU whatever the test
+device is (a host tier, a CPU-only kernel or compiled path, a loader's own checks) says so with
+CPU_ONLY and a comment giving the reason, so that `grep -rn '"cpu"' tests/` finds none unexplained."""
 import pytest
 import torch
+
+from minikv.testing import default_device
+
+DEVICE = default_device()  # the test device: the `device` fixture returns it
+CPU_ONLY = torch.device("cpu")  # the CPU on purpose, whatever the test device; each use says why
 
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """(model, tokenizer) of the bundled SmolLM2-135M-Instruct, float32 on the CPU."""
+    """(model, tokenizer) of the bundled SmolLM2-135M-Instruct, float32 on the test device."""
     import minikv
 
     torch.manual_seed(0)
-    return minikv.load("smollm2", device="cpu", dtype=torch.float32, progress=False)
+    return minikv.load("smollm2", device=DEVICE, dtype=torch.float32, progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_cpu(request):
+    """SmolLM2 on CPU_ONLY, for tests of CPU-only paths (the compiled CPU model); the `smollm2`
+    fixture itself where the test device is the CPU."""
+    import minikv
+
+    if DEVICE.type == "cpu":
+        return request.getfixturevalue("smollm2")
+    torch.manual_seed(0)
+    return minikv.load("smollm2", device=CPU_ONLY, dtype=torch.float32, progress=False)
 
 
 @pytest.fixture(scope="session")
@@ -66,10 +90,12 @@ def greedy_logits(model, ids, spec: str, steps: int):
     (logits (steps + 1, V) of every step, the bound policy)."""
     from minikv.policies import make
 
-    T = ids.shape[1]
-    policy = make(spec).bind(model.cfg, device="cpu", dtype=torch.float32, max_len=T + steps + 2)
-    out = [model(ids, policy=policy, logits_at=torch.tensor([T - 1]))]
+    T, device = ids.shape[1], model.embed.weight.device  # the test device, or CPU_ONLY's
+    ids = ids.to(device)
+    policy = make(spec).bind(model.cfg, device=device, dtype=torch.float32, max_len=T + steps + 2)
+    out = [model(ids, policy=policy, logits_at=torch.tensor([T - 1], device=device))]
     for t in range(T, T + steps):
         nxt = out[-1].argmax(-1)
-        out.append(model(nxt[:, None], positions=torch.tensor([[t]]), policy=policy, logits_at=torch.tensor([0])))
+        out.append(model(nxt[:, None], positions=torch.tensor([[t]], device=device), policy=policy,
+                         logits_at=torch.tensor([0], device=device)))
     return torch.cat(out), policy

@@ -42,6 +42,7 @@ from ..kernels.page_scores import pack_codes
 from ..kernels.page_layout import hnd_to_nhd, nhd_to_hnd
 from .base import LayerKV
 from .pool import PagePool, Staging, refill
+from .tiers import backend_on
 
 DIGESTS = ("minmax", "arkvale", "quant2")  # quant2: Quest's box and 2-bit codes of each key in it
 
@@ -142,9 +143,8 @@ class PagedKV:
         self.length = 0  # tokens stored
         self.n_cand = 0  # pages offloaded so far = candidates
         self.pages_recalled = 0
-        # the gather reads the host tier: Triton can address it only when it is not CPU memory
-        # beside a GPU (on a CPU-only machine the kernel runs in Triton's interpreter)
-        self.gather_backend = "eager" if tiers.device.type == "cuda" else backend
+        # the gather reads the host tier: eager beside a GPU, `backend` on a CPU-only machine
+        self.gather_backend = backend_on("host", backend, tiers.device)
         # one recall moves at most every selected slot of every head; policies share one Staging
         self.staging = staging if staging is not None else Staging((max(1, n_kv * n_select), 2, page_size, head_dim),
                                                                    dtype, tiers)

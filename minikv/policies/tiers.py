@@ -122,6 +122,18 @@ class Tiers:
             self.streams.current().wait_event(self._event(into))
 
 
+def backend_on(tier: str, backend: str, device) -> str:
+    """The kernel backend an operation runs whose tensors live on `tier` ("host" or "device"),
+    for a policy of `backend` on `device`. Triton kernels address GPU memory only, so beside a GPU
+    a host-tier operation (icecache's DCI scores over the tree's keys, the gather of host pages
+    into the pinned staging buffer) runs eager on the CPU; device-tier ones run `backend`. On a
+    CPU-only machine both tiers are CPU memory and every operation runs `backend` (Triton's
+    interpreter for triton)."""
+    if tier not in ("host", "device"):
+        raise ValueError(f"tier must be 'host' or 'device', got {tier!r}")
+    return "eager" if tier == "host" and torch.device(device).type == "cuda" else backend
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 

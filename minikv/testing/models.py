@@ -1,6 +1,6 @@
 """Tiny models of every family minikv loads, with random weights: what check_policy runs on.
 
-    model = tiny_model("llama_gqa")     # two layers, float32, on the CPU, the same weights every time
+    model = tiny_model("llama_gqa")     # two layers, float32, the same weights on every device
 
 Built here from their configs (as reference/models/ holds checkpoints of the same shapes), so
 that minikv.testing needs nothing but the installed package.
@@ -11,6 +11,7 @@ import torch
 
 from ..config import ModelConfig
 from ..models import build_model
+from .tolerances import default_device
 
 # one tiny config per family minikv loads (as reference/models/ holds them): GQA, q/k/v bias, partial
 # rotary with a parallel residual, a sliding window
@@ -28,8 +29,10 @@ FAMILIES = {
 }
 
 
-def tiny_model(family: str, seed: int = 0):
-    """A two-layer model of `family` (FAMILIES) with random weights, float32 on the CPU."""
+def tiny_model(family: str, seed: int = 0, device=None):
+    """A two-layer model of `family` (FAMILIES) with random weights, float32, on `device` (default:
+    default_device(), the GPU when there is one). The weights are drawn on the CPU, then moved:
+    the same on every device."""
     cfg = ModelConfig.from_dict({**_COMMON, **FAMILIES[family]}, source=f"minikv.testing {family}")
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -37,4 +40,4 @@ def tiny_model(family: str, seed: int = 0):
         for name, p in model.named_parameters():  # sharper attention than the default init: choices matter
             if p.dim() == 2 and "embed" not in name:
                 p.data.mul_(2.0)
-    return model.eval()
+    return model.eval().to(default_device() if device is None else device)

@@ -35,6 +35,7 @@ from ..kernels import BACKENDS, check_backend, policy_backends
 from ..policies.base import Policy, _REGISTRY, discover, make, parameters
 from ..policies.params import value_type
 from .models import FAMILIES, tiny_model
+from .tolerances import default_device
 
 PROMPT, NEW = 80, 40  # tokens of the tiny models' runs: 120 of their 128 positions
 BASE_STATS = ("policy", "device_tokens", "host_tokens", "device_tokens_peak", "kv_bytes_read_per_step",
@@ -45,20 +46,22 @@ class PolicyContractError(AssertionError):
     """A policy broke the contract: the message names the check, the model and the spec."""
 
 
-def check_policy(spec_or_class, *, families=tuple(FAMILIES), smollm2="auto", backends=None) -> dict:
+def check_policy(spec_or_class, *, families=tuple(FAMILIES), smollm2="auto", backends=None, device=None) -> dict:
     """Run the contract matrix (module docstring) for one policy. spec_or_class: a registered name,
     a spec (it replaces the declared small spec, and its `budget` the declared small budget) or a
     Policy subclass. smollm2: "auto"
     (when the bundled model is present), False, or a loaded (model, tokenizer). backends: those to
     check the attended outputs on (default: every backend the policy implements that runs here).
-    Returns {check: [where it ran]}."""
+    device: where the models and policies run (default: default_device(), the GPU when there is
+    one; a loaded SmolLM2 runs where it was loaded). Returns {check: [where it ran]}."""
     cls, small, budget = _resolve(spec_or_class)
+    device = default_device() if device is None else torch.device(device)
     ran: dict[str, list] = {}
     with tempfile.TemporaryDirectory() as work:
         _refusals(cls)
         ran["refusals"] = [cls.name]
         for family in families:
-            model = tiny_model(family)
+            model = tiny_model(family, device=device)
             where = f"{cls.name} on the tiny {family} model"
             spec = cls.spec_for_model(small, model.cfg, Path(work))
             if not _accepts(cls, spec, model, where):
@@ -79,10 +82,11 @@ def check_policy(spec_or_class, *, families=tuple(FAMILIES), smollm2="auto", bac
                     ran.setdefault("attended", []).append(f"{family}, backend={backend}")
                 _same_tokens(model, ids[:, :PROMPT], spec, 8, where)
                 ran.setdefault("reference", []).append(family)
-        real = _smollm2(smollm2)
+        real = _smollm2(smollm2, device)
         if real is not None:
             model, tok = real
-            ids = torch.tensor([tok.encode("The three primary colours are red, yellow and blue. " * 5)])  # ~60
+            ids = torch.tensor([tok.encode("The three primary colours are red, yellow and blue. " * 5)],
+                               device=_device(model))  # ~60 tokens
             where = f"{cls.name} on SmolLM2"
             spec = cls.spec_for_model(small, model.cfg, Path(work))
             _covering(cls, model, ids, cls.spec_for_model(cls.covering_spec or cls.name, model.cfg, Path(work)),
@@ -121,12 +125,12 @@ def _small(cls, model, ids, spec, budget, where):
 
 
 def _prefill(model, ids, spec, where):
-    T = PROMPT
-    whole = make(spec).bind(model.cfg, device="cpu", dtype=torch.float32, max_len=T)
+    T, device = PROMPT, _device(model)
+    whole = make(spec).bind(model.cfg, device=device, dtype=torch.float32, max_len=T)
     expect = model(ids[:, :T], policy=whole)[0]  # (T, V)
-    one, got = make(spec).bind(model.cfg, device="cpu", dtype=torch.float32, max_len=T), []
+    one, got = make(spec).bind(model.cfg, device=device, dtype=torch.float32, max_len=T), []
     for t in range(T):
-        got.append(model(ids[:, t:t + 1], positions=torch.tensor([[t]]), policy=one)[0, -1])
+        got.append(model(ids[:, t:t + 1], positions=torch.tensor([[t]], device=device), policy=one)[0, -1])
     if not torch.allclose(torch.stack(got), expect, rtol=1e-4, atol=1e-4):
         _fail(where, f"prefill: {spec}'s prefill differs from feeding the prompt token by token "
                      f"(declared prefill_equals_decoding = True)")
@@ -154,8 +158,9 @@ def _refusals(cls):
             _fail(cls.name, f"refusals: {cls.name}:{key}={value} is accepted; its declaration refuses it")
     if cls.max_batch is not None:
         cfg = tiny_model("llama_gqa").cfg
-        try:
-            make(cls.name).bind(cfg, device="cpu", dtype=torch.float32, max_len=16, batch_size=cls.max_batch + 1)
+        try:  # refused before anything is allocated: any device will do
+            make(cls.name).bind(cfg, device=default_device(), dtype=torch.float32, max_len=16,
+                                batch_size=cls.max_batch + 1)
         except ValueError as err:
             if "batch" not in str(err):
                 _fail(cls.name, f"refusals: a batch past max_batch is refused without saying so: {err}")
@@ -183,7 +188,7 @@ def _bad_values(cls):
 def _accepts(cls, spec, model, where) -> bool:
     """False when the policy refuses the model's sliding window (then with a message saying so)."""
     try:
-        make(spec).bind(model.cfg, device="cpu", dtype=torch.float32, max_len=PROMPT + NEW)
+        make(spec).bind(model.cfg, device=_device(model), dtype=torch.float32, max_len=PROMPT + NEW)
     except ValueError as err:
         if model.cfg.sliding_window is None or "sliding" not in str(err):
             _fail(where, f"bind: {spec} is refused: {err}")
@@ -197,11 +202,12 @@ def _accepts(cls, spec, model, where) -> bool:
 def _run(model, ids, spec, where, prompt=PROMPT, budget=None, attended=False, rows_back=False):
     """Prefill `prompt` tokens, feed the rest one by one, checking what was asked on every step ->
     (logits (steps, V), the policy)."""
-    policy = make(spec).bind(model.cfg, device="cpu", dtype=torch.float32, max_len=ids.shape[1])
+    device = _device(model)
+    policy = make(spec).bind(model.cfg, device=device, dtype=torch.float32, max_len=ids.shape[1])
     seen = _Recorder(policy, model.cfg, where, spec, attended) if attended or rows_back else None
     out = [model(ids[:, :prompt], policy=policy)[:, -1]]
     for t in range(prompt, ids.shape[1]):
-        out.append(model(ids[:, t:t + 1], positions=torch.tensor([[t]]), policy=policy)[:, -1])
+        out.append(model(ids[:, t:t + 1], positions=torch.tensor([[t]], device=device), policy=policy)[:, -1])
         if budget is not None:
             _check_budget(policy, budget, where, spec)
     return torch.stack(out), policy
@@ -218,12 +224,13 @@ def _check_budget(policy, budget, where, spec):
 
 
 def _greedy(model, ids, spec, new) -> tuple[list[int], dict]:
-    policy = make(spec).bind(model.cfg, device="cpu", dtype=torch.float32, max_len=ids.shape[1] + new)
+    device = _device(model)
+    policy = make(spec).bind(model.cfg, device=device, dtype=torch.float32, max_len=ids.shape[1] + new)
     T, tokens = ids.shape[1], []
     nxt = model(ids, policy=policy)[:, -1].argmax(-1)
     for t in range(T, T + new - 1):
         tokens.append(int(nxt))
-        nxt = model(nxt[:, None], positions=torch.tensor([[t]]), policy=policy)[:, -1].argmax(-1)
+        nxt = model(nxt[:, None], positions=torch.tensor([[t]], device=device), policy=policy)[:, -1].argmax(-1)
     return tokens + [int(nxt)], policy.stats()
 
 
@@ -256,15 +263,15 @@ class _Recorder:
         return call
 
     def _keep(self, i, k, v, positions):
-        D = k.shape[-1]
-        self.rows.update(r.numpy().tobytes() for t in (k, v) for r in t.detach().reshape(-1, D))
+        D = k.shape[-1]  # the rows' bytes, read on the host wherever the test device is
+        self.rows.update(r.numpy().tobytes() for t in (k, v) for r in t.detach().reshape(-1, D).cpu())
         pos, ks, vs = self.kv.get(i, (positions[0][:0], k[0][:, :0], v[0][:, :0]))
         self.kv[i] = (torch.cat([pos, positions[0]]), torch.cat([ks, k[0]], dim=1), torch.cat([vs, v[0]], dim=1))
 
     def _back(self, x):
         D = self.cfg.head_dim
         if x.is_floating_point() and x.shape[-1] % D == 0:  # rows of K or V, or of both side by side
-            for r in x.detach().reshape(-1, D):
+            for r in x.detach().reshape(-1, D).cpu():
                 if r.any() and r.numpy().tobytes() not in self.rows:
                     _fail(self.where, f"offload: {self.spec} brought back to the device a K or V row it was never "
                                       f"given (the round trip through the host must be bit for bit)")
@@ -326,11 +333,17 @@ def _backends(cls, asked):
     return out
 
 
+def _device(model) -> torch.device:
+    return model.embed.weight.device
+
+
 def _random_ids(model, n=PROMPT + NEW, seed=1):
-    return torch.randint(0, model.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed))
+    # drawn on the CPU's generator (the same ids on every device), then moved to the model
+    ids = torch.randint(0, model.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed))
+    return ids.to(_device(model))
 
 
-def _smollm2(smollm2):
+def _smollm2(smollm2, device):
     if smollm2 is False or smollm2 is None:
         return None
     if smollm2 != "auto":
@@ -338,6 +351,6 @@ def _smollm2(smollm2):
     from ..loading import load
 
     try:
-        return load("smollm2", device="cpu", dtype=torch.float32, progress=False)
+        return load("smollm2", device=device, dtype=torch.float32, progress=False)
     except (OSError, ValueError):
         return None

@@ -14,6 +14,8 @@ from minikv.policies.softfreeze.schedule_fast import first_freezing_count
 from minikv.policies.synckv.clusters import FORMAT, config_sha256
 from minikv.testing import PolicyContractError, check_policy
 
+from ..fixtures import DEVICE
+
 PROMPT, NEW = 80, 40
 
 
@@ -57,7 +59,7 @@ def gqa3(reference_dir, tmp_path_factory):
     synckv clustering for it (layer 0 one cluster, layer 1 two)."""
     from minikv.loading import load_model
 
-    model = load_model(reference_dir / "models" / "llama_gqa3", device="cpu", dtype=torch.float32)
+    model = load_model(reference_dir / "models" / "llama_gqa3", device=DEVICE, dtype=torch.float32)
     cfg = model.cfg
     layers = [{"clusters": [[0, 1, 2]], "r_heads": [0]}, {"clusters": [[0, 2], [1]], "r_heads": [2, 1]}]
     doc = {"format": FORMAT, "model": {"name": "test", "config_sha256": config_sha256(cfg), "weights_sha256": "-",
@@ -75,7 +77,8 @@ def with_clusters(spec: str, clusters: str) -> str:
 
 
 def random_ids(model, n=PROMPT + NEW, seed=1):
-    return torch.randint(0, model.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(0, model.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed))
+    return ids.to(DEVICE)
 
 
 # -- sizes are capped by the context (issue 29) ----------------------------------------------------
@@ -95,7 +98,7 @@ def test_a_size_past_the_context_costs_what_the_default_costs(gqa3, spec, defaul
     ids = random_ids(model, 10)
     allocated = {}
     for s in (spec, default):
-        policy = make(with_clusters(s, clusters)).bind(model.cfg, device="cpu", dtype=torch.float32, max_len=50)
+        policy = make(with_clusters(s, clusters)).bind(model.cfg, device=DEVICE, dtype=torch.float32, max_len=50)
         model(ids, policy=policy)
         stats = policy.stats()
         allocated[s] = stats["device_bytes_allocated"] + stats["host_bytes_allocated"]
@@ -107,7 +110,7 @@ def test_a_size_past_the_context_costs_what_the_default_costs(gqa3, spec, defaul
 def test_streaming_refuses_a_window_past_the_model_positions(gqa3):
     model, _ = gqa3
     with pytest.raises(ValueError, match="exceeds the model's context"):
-        make("streaming:window=100000").bind(model.cfg, device="cpu", dtype=torch.float32, max_len=50)
+        make("streaming:window=100000").bind(model.cfg, device=DEVICE, dtype=torch.float32, max_len=50)
 
 
 def test_softness_inf_is_refused_at_once():

@@ -21,6 +21,8 @@ import torch
 from minikv.config import ModelConfig
 from minikv.policies import make
 
+from ..fixtures import DEVICE
+
 CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, n_layers=1,
                   n_heads=4, n_kv_heads=2, head_dim=8, max_position_embeddings=4096, rotary_dim=8)
 P, SINK, WINDOW, K, TAU = 4, 4, 4, 3, 0.9
@@ -107,7 +109,7 @@ def drifting_queries(g, steps, H, D):
 
 
 def run(spec, speculative=True, T=61, steps=30, seed=0):
-    policy = make(spec).bind(CFG, device="cpu", dtype=torch.float32, max_len=T + steps)
+    policy = make(spec).bind(CFG, device=DEVICE, dtype=torch.float32, max_len=T + steps)
     layer = policy.layers[0]
     paper = PaperFreeKV(CFG.n_groups, speculative)
     g = torch.Generator().manual_seed(seed)
@@ -115,14 +117,14 @@ def run(spec, speculative=True, T=61, steps=30, seed=0):
     qs = drifting_queries(g, T + steps, H, D)
     q = torch.stack(qs[:T], 1)[None]  # (1, H, T, D)
     k, v = torch.randn(1, Hkv, T, D, generator=g), torch.randn(1, Hkv, T, D, generator=g)
-    layer.prefill(q, k, v, None)
+    layer.prefill(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)  # the transcription: on the CPU
     paper.prefill(q[0, :, -1], k[0], v[0])
     rows = []
     for t in range(steps):
         q = qs[T + t][None, :, None]
         k, v = torch.randn(1, Hkv, 1, D, generator=g), torch.randn(1, Hkv, 1, D, generator=g)
         before = policy.corrected_heads
-        out = layer.decode(q, k, v, None)[0, :, 0]
+        out = layer.decode(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)[0, :, 0].cpu()
         want, reads, corrected = paper.decode(q[0, :, 0], k[0, :, 0], v[0, :, 0])
         got = [set(r) - {-1} for r in layer.attended_indices().tolist()]
         counted = len(corrected) if paper.choosing else 0  # the library counts only where it chooses

@@ -13,6 +13,8 @@ import torch
 from minikv.config import ModelConfig
 from minikv.policies import make
 
+from ..fixtures import DEVICE
+
 CFG = ModelConfig(model_type="llama", vocab_size=10, hidden_size=32, intermediate_size=8, n_layers=1, n_heads=4,
                   n_kv_heads=2, head_dim=8, max_position_embeddings=256)  # GQA: 2 query heads per KV head
 
@@ -72,14 +74,15 @@ def paper_h2o(q, k, v, budget, window, prompt):
 
 def run_layer(spec, q, k, v, prompt):
     """The policy's layer 0 driven directly: prefill `prompt` tokens, then one decode step per token."""
-    policy = make(spec).bind(CFG, device="cpu", dtype=torch.float32, max_len=q.shape[0])
+    policy = make(spec).bind(CFG, device=DEVICE, dtype=torch.float32, max_len=q.shape[0])
     layer = policy.layers[0]
-    per = lambda x, a, b: x[a:b].permute(1, 0, 2)[None]  # (n, H, D) -> (1, H, b - a, D)
-    layer.prefill(per(q, 0, prompt), per(k, 0, prompt), per(v, 0, prompt), torch.arange(prompt)[None])
+    # (n, H, D) -> (1, H, b - a, D) on the test device; the outputs come back beside the CPU oracle's
+    per = lambda x, a, b: x[a:b].permute(1, 0, 2)[None].to(DEVICE)
+    layer.prefill(per(q, 0, prompt), per(k, 0, prompt), per(v, 0, prompt), torch.arange(prompt, device=DEVICE)[None])
     outs, kept = [], []
     for i in range(prompt, q.shape[0]):
-        out = layer.decode(per(q, i, i + 1), per(k, i, i + 1), per(v, i, i + 1), torch.tensor([[i]]))
-        outs.append(out[0, :, 0])
+        out = layer.decode(per(q, i, i + 1), per(k, i, i + 1), per(v, i, i + 1), torch.tensor([[i]], device=DEVICE))
+        outs.append(out[0, :, 0].cpu())
         kept.append([sorted(layer.pos[h, :layer.n].tolist()) for h in range(CFG.n_kv_heads)])
     return torch.stack(outs), kept, policy
 
@@ -118,13 +121,13 @@ def test_group_scores_sum_over_the_query_heads():
     """GQA: a KV head's accumulated score is the sum of its query heads' attention (module
     docstring); after the prompt, each token's score is its column sum over both heads."""
     q, k, v = random_qkv(5, seed=7)
-    policy = make("h2o:budget=64,window=2").bind(CFG, device="cpu", dtype=torch.float32, max_len=8)
+    policy = make("h2o:budget=64,window=2").bind(CFG, device=DEVICE, dtype=torch.float32, max_len=8)
     layer = policy.layers[0]
-    per = lambda x: x.permute(1, 0, 2)[None]
-    layer.prefill(per(q), per(k), per(v), torch.arange(5)[None])
+    per = lambda x: x.permute(1, 0, 2)[None].to(DEVICE)
+    layer.prefill(per(q), per(k), per(v), torch.arange(5, device=DEVICE)[None])
     logits = torch.einsum("thd,shd->hts", q, k.repeat_interleave(2, dim=1)) / math.sqrt(CFG.head_dim)
     w = torch.softmax(logits.masked_fill(torch.ones(5, 5).triu(1).bool(), float("-inf")), dim=-1)  # (Hq, t, s)
-    torch.testing.assert_close(layer.score[:, :5], w.sum(1).view(2, 2, 5).sum(1))
+    torch.testing.assert_close(layer.score[:, :5].cpu(), w.sum(1).view(2, 2, 5).sum(1))
     assert (w.sum(1).view(2, 2, 5).sum(1).sum(1) - 10).abs().max() < 1e-5  # 5 queries x 2 heads, each mass 1
 
 

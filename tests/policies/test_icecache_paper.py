@@ -20,6 +20,8 @@ import torch
 from minikv.config import ModelConfig
 from minikv.policies import make
 
+from ..fixtures import DEVICE
+
 CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, n_layers=1,
                   n_heads=4, n_kv_heads=2, head_dim=8, max_position_embeddings=4096, rotary_dim=8)
 P, SINK, WINDOW, K = 4, 4, 8, 3
@@ -86,19 +88,19 @@ class PaperIceCache:
 
 
 def run(spec, T=150, steps=20, seed=0):
-    policy = make(spec).bind(CFG, device="cpu", dtype=torch.float32, max_len=T + steps)
+    policy = make(spec).bind(CFG, device=DEVICE, dtype=torch.float32, max_len=T + steps)
     layer = policy.layers[0]
     paper = PaperIceCache(CFG.n_groups)
     g = torch.Generator().manual_seed(seed)
     H, Hkv, D = CFG.n_heads, CFG.n_kv_heads, CFG.head_dim
     q, k, v = torch.randn(1, H, T, D, generator=g), torch.randn(1, Hkv, T, D, generator=g), torch.randn(1, Hkv, T, D, generator=g)
-    layer.prefill(q, k, v, None)
+    layer.prefill(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)  # the transcription: on the CPU
     paper.prefill(k[0], v[0])
     rows = []
     for _ in range(steps):
         q, k, v = torch.randn(1, H, 1, D, generator=g), torch.randn(1, Hkv, 1, D, generator=g), torch.randn(1, Hkv, 1, D, generator=g)
         left_before = paper.left
-        out = layer.decode(q, k, v, None)[0, :, 0]
+        out = layer.decode(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)[0, :, 0].cpu()
         want, reads, pages = paper.decode(q[0, :, 0], k[0, :, 0], v[0, :, 0], layer.forest)
         got = [set(r) - {-1} for r in layer.attended_indices().tolist()]
         chosen = [set(p for p in row if p >= 0) for row in layer.selection.tolist()]

@@ -19,6 +19,8 @@ import torch
 from minikv.config import ModelConfig
 from minikv.policies import make
 
+from ..fixtures import DEVICE
+
 CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, n_layers=1,
                   n_heads=4, n_kv_heads=2, head_dim=8, max_position_embeddings=4096, rotary_dim=8)
 WINDOW, STD = 4, 0.5  # keys and queries of std 0.5: Eq. 2's s_j spreads around tau = 0.5
@@ -65,7 +67,7 @@ class PaperAlgorithm1:
 
 
 def run(spec, T=24, steps=30, seed=0):
-    policy = make(f"{spec},window={WINDOW},backend=reference").bind(CFG, device="cpu", dtype=torch.float32,
+    policy = make(f"{spec},window={WINDOW},backend=reference").bind(CFG, device=DEVICE, dtype=torch.float32,
                                                                      max_len=T + steps)
     layer = policy.layers[0]
     paper = PaperAlgorithm1(0.5, 2.0, WINDOW, CFG.n_groups)
@@ -78,11 +80,11 @@ def run(spec, T=24, steps=30, seed=0):
         k, v = STD * torch.randn(1, Hkv, n, D, generator=g), torch.randn(1, Hkv, n, D, generator=g)
         paper.add(k[0], v[0])
         if t == 0:
-            layer.prefill(q, k, v, None)
+            layer.prefill(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)  # the transcription: on the CPU
             paper.step(q[0, :, -1])  # the prefill's step: the prompt judged by its last query
             diff = 0.0
         else:
-            out = layer.decode(q, k, v, None)[0, :, 0]
+            out = layer.decode(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)[0, :, 0].cpu()
             diff = float((out - paper.step(q[0, :, 0])).abs().max())
         policy.end_step()  # lines 3-15 (no logits: no recovery)
         active = layer.active[:layer.n_tok].tolist()

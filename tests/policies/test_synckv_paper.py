@@ -18,6 +18,7 @@ import torch
 from minikv.config import ModelConfig
 from minikv.policies import make
 
+from ..fixtures import DEVICE
 from .test_synckv import write_clusters
 
 # 4 KV heads, 2 query heads each; two clusters, each with a non-representative head
@@ -106,20 +107,20 @@ class PaperAlgorithm1:
 def run(clusters, spec, union, T=80, steps=12, seed=0):
     """Drive the policy and the transcription with the same random q, k, v; -> per decode step,
     (the policy's reads, the transcription's reads, max |output difference|)."""
-    policy = make(f"{spec},clusters={clusters}").bind(CFG, device="cpu", dtype=torch.float32, max_len=T + steps)
+    policy = make(f"{spec},clusters={clusters}").bind(CFG, device=DEVICE, dtype=torch.float32, max_len=T + steps)
     layer = policy.layers[0]
     paper = PaperAlgorithm1(CLUSTERS[0]["clusters"], CLUSTERS[0]["r_heads"], policy.k_static + policy.k_dyn,
                             policy.rho, policy.m, policy.window, CFG.n_groups, union=union)
     g = torch.Generator().manual_seed(seed)
     H, Hkv, D = CFG.n_heads, CFG.n_kv_heads, CFG.head_dim
     q, k, v = torch.randn(1, H, T, D, generator=g), torch.randn(1, Hkv, T, D, generator=g), torch.randn(1, Hkv, T, D, generator=g)
-    layer.prefill(q, k, v, None)
+    layer.prefill(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)  # the transcription: on the CPU
     paper.prefill(q[0, :, -1], k[0], v[0])
     assert [sorted(s) for s in layer.static] == [sorted(s) for s in paper.I_S]
     rows = []
     for _ in range(steps):
         q, k, v = torch.randn(1, H, 1, D, generator=g), torch.randn(1, Hkv, 1, D, generator=g), torch.randn(1, Hkv, 1, D, generator=g)
-        out = layer.decode(q, k, v, None)[0, :, 0]
+        out = layer.decode(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)[0, :, 0].cpu()
         want, reads = paper.decode(q[0, :, 0], k[0, :, 0], v[0, :, 0])
         got = layer.attended_indices()
         got = [set(range(layer.length))] * Hkv if got is None else [set(r) - {-1} for r in got.tolist()]

@@ -19,7 +19,9 @@ tokens, so a query's few relevant keys sit in a few pages. One decode step of a 
   prefill (lines 3-12) dense attention; the tokens between sink and window indexed (DCIForest.build)
 
 Backends: `reference` runs search.py's loops; `eager` (the CPU default, faster) runs
-pages_fast.py; `triton` scores gathered keys with kernels/dci_scores (search_fast.py).
+pages_fast.py; `triton` scores gathered keys with kernels/dci_scores (search_fast.py). The tree
+and the host pages stay on the host (tiers.backend_on): beside a GPU the search and the gather
+run eager there, and `triton` runs the scatter and the paged attention on the device.
 
 The paper's rules: `icecache:paper` (preset=paper: window_offload=before). Decisions
 (docs/design.md, "icecache" and "The paper as a preset"): budget = sink + window + k pages of
@@ -44,6 +46,7 @@ from ..base import LayerKV, Policy, dense_attention, param, register
 from ..full import FullLayer
 from ..paged import PagedKV, PagedLayer, check_page_geometry
 from ..pool import Staging
+from ..tiers import backend_on
 from .search import CLOSEST, field_of_view, merge_group, page_select
 from .tree import FIRST_PROMOTION, DCIForest, random_direction
 
@@ -228,9 +231,7 @@ class IceCache(Policy):
             raise ValueError(f"window_offload=before needs window >= 2 * page_size = {2 * self.page_size} (the "
                              f"page that leaves is not the one the new token fills), got {self.window}")
         self.search = self.backend  # "reference": search.py's loops; else the fast forms
-        # the tree and its keys live on the host tier; Triton reaches host memory only when there
-        # is no GPU (interpreter), so with CUDA the host-side operations run eager
-        self.host_backend = check_backend(self.backend)  # "reference" runs the eager kernels
+        self.host_backend = check_backend(self.backend)  # "reference" runs the eager kernels; see validate
 
     def validate(self, cfg):
         # never more retrieved pages than a tree over the context has (DCIForest.max_pages: the
@@ -242,7 +243,11 @@ class IceCache(Policy):
         if cfg.sliding_window is not None and cfg.sliding_window < self.max_len:
             raise ValueError("icecache does not combine with a sliding-window model (Mistral) shorter than max_len")
         self.u = random_direction(cfg.head_dim, self.seed)  # one projection vector for all layers and heads
-        self.host_backend = "eager" if self.tiers.device.type == "cuda" else check_backend(self.backend)
+        # The tree and its keys live on the host, as in the paper (Sec. 4.3: the DCI query runs on
+        # CPU threads, the selected pages are aggregated in a CPU buffer, sent in one PCIe copy and
+        # scattered on the GPU): dci_scores and page_gather run where their tensors are, eager
+        # beside a GPU, while the scatter (page_layout) and paged_attention run `backend` there.
+        self.host_backend = backend_on("host", check_backend(self.backend), self.tiers.device)
         self._anchor_of: dict[int, IceCacheLayer] = {}
         self.reset_counters()
 
