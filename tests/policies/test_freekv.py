@@ -16,7 +16,7 @@ from minikv.models.attention import dense_attention
 from minikv.policies import make
 from minikv.policies.paged import page_digest
 
-from ..fixtures import ITEMS_PROMPT, greedy_logits
+from ..fixtures import DEVICE, ITEMS_PROMPT, greedy_logits
 
 TINY = ModelConfig(model_type="llama", vocab_size=64, hidden_size=48, intermediate_size=64, n_layers=2,
                    n_heads=6, n_kv_heads=2, head_dim=16, max_position_embeddings=4096, rotary_dim=16)
@@ -92,7 +92,8 @@ def corrected_heads(q1, prev, G, tau):
 
 def run_against_oracle(case, backend="eager"):
     cfg = case["cfg"]
-    policy = make(spec_of(case, backend)).bind(cfg, device="cpu", dtype=torch.float32, max_len=80)
+    # the policy on the test device, the oracle on the CPU: inputs go there, outputs come back
+    policy = make(spec_of(case, backend)).bind(cfg, device=DEVICE, dtype=torch.float32, max_len=80)
     P, n_sink, n_window = case["P"], case["sink"] // case["P"], case["window"] // case["P"] + 1
     K, G, tau = policy.n_select, cfg.n_heads // cfg.n_kv_heads, policy.tau
     g = torch.Generator().manual_seed(case["seed"])
@@ -109,10 +110,10 @@ def run_against_oracle(case, backend="eager"):
             keys[i] = k if step == 0 else torch.cat((keys[i], k), 2)
             values[i] = v if step == 0 else torch.cat((values[i], v), 2)
             if step == 0:
-                layer.prefill(q, k, v, None)
+                layer.prefill(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)
                 prev_q[i] = q[:, :, -1]
                 continue
-            out = layer.decode(q, k, v, None)
+            out = layer.decode(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), None).cpu()
             q1 = q[:, :, 0]
             # per KV head: quest and a corrected head read the pages q_t chooses; speculation reads
             # those q_{t-1} chose
@@ -196,7 +197,7 @@ def tiny_model(seed=0):
     from minikv.models.llama import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(TINY).eval()
+    return LlamaForCausalLM(TINY).eval().to(DEVICE)
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -226,7 +227,7 @@ def test_smollm2_retrieval_stats(smollm2):
     """SmolLM2, ~330 prompt tokens: a 128 token budget retrieves (pages recalled, speculation
     counted, budget held). A covering budget giving full KV's logits: test_contract's matrix."""
     model, tok = smollm2
-    ids = torch.tensor([tok.encode(ITEMS_PROMPT)])
+    ids = torch.tensor([tok.encode(ITEMS_PROMPT)], device=DEVICE)
     T = ids.shape[1]
     assert 250 < T < 500
     _, policy = greedy_logits(model, ids, "freekv:budget=128", 5)
@@ -298,7 +299,7 @@ def exact_top_pages(q, host, n, G, K, among=None):
     for h in range(host.shape[1]):
         pages = list(range(n)) if among is None else among[h]
         keys = host[pages, h, 0].float()  # (S, P, D)
-        qs = q[0, h * G:(h + 1) * G].float()  # (G, D)
+        qs = q[0, h * G:(h + 1) * G].float().to(keys.device)  # (G, D), beside the host pages
         p = (torch.einsum("gd,spd->gsp", qs, keys) / math.sqrt(q.shape[-1])).flatten(1).softmax(-1)
         mass = p.view(G, len(pages), -1).sum(-1).mean(0)  # (S,)
         out.append(sorted(pages[i] for i in mass.topk(K).indices.tolist()))
@@ -309,17 +310,17 @@ def exact_top_pages(q, host, n, G, K, among=None):
 def test_rescore_keeps_the_shortlisted_pages_with_the_most_exact_attention(rescore):
     # beyond the paper: the box bound shortlists rescore x K pages, the keys' exact attention picks K
     spec = f"freekv:page_size=4,sink=4,window=4,budget=20,digest=arkvale,rescore={rescore}"  # K = 2 pages
-    policy = make(spec).bind(TINY, device="cpu", dtype=torch.float32, max_len=80)
+    policy = make(spec).bind(TINY, device=DEVICE, dtype=torch.float32, max_len=80)
     plain = make("freekv:page_size=4,sink=4,window=4,budget=20,digest=arkvale").bind(
-        TINY, device="cpu", dtype=torch.float32, max_len=80)
+        TINY, device=DEVICE, dtype=torch.float32, max_len=80)
     g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, h, 64, 16, generator=g) for h in (6, 2, 2))
+    q, k, v = (torch.randn(1, h, 64, 16, generator=g).to(DEVICE) for h in (6, 2, 2))
     k[0, :, 30] *= 4.0  # one loud key: the bounds favour its page, whatever its attention
     layer, base = policy.layers[0], plain.layers[0]
     layer.prefill(q, k, v, None)
     base.prefill(q, k, v, None)
     n, G = layer.kv.n_cand, 3
-    q_new = torch.randn(1, 6, 16, generator=g)
+    q_new = torch.randn(1, 6, 16, generator=g).to(DEVICE)
     shortlist = [row[:min(n, 2 * rescore)] for row in
                  ps_reference.page_scores(q_new, layer.pages.lo[:, :, :n], layer.pages.hi[:, :, :n],
                                           layer.pages.n_valid, min(n, 2 * rescore), layer.scale)[1][0].tolist()]

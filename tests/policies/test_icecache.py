@@ -13,8 +13,9 @@ from minikv.config import ModelConfig
 from minikv.models.attention import dense_attention
 from minikv.policies import make
 from minikv.policies.icecache.search import merge_group
+from minikv.policies.tiers import backend_on
 
-from ..fixtures import ITEMS_PROMPT, greedy_logits
+from ..fixtures import DEVICE, ITEMS_PROMPT, greedy_logits
 
 TINY = ModelConfig(model_type="llama", vocab_size=64, hidden_size=48, intermediate_size=64, n_layers=4,
                    n_heads=6, n_kv_heads=2, head_dim=16, max_position_embeddings=4096, rotary_dim=16)
@@ -107,7 +108,7 @@ def check_slot_lengths_at_attention(layer, log):
         held = kv.resident  # (Hkv, K)
         fill = kv.candidates.fill.gather(1, held.clamp_min(0))
         want = torch.where(held >= 0, fill, 0)
-        got = kv.pool.page_lens[0, :, kv.n_sink:kv.w0].to(torch.int64)
+        got = kv.pool.page_lens[0, :, kv.n_sink:kv.w0].to(torch.int64).cpu()  # beside the host's fills
         assert torch.equal(got, want), f"slot lengths {got.tolist()} != page fills {want.tolist()}"
         return attend(q)
 
@@ -140,7 +141,8 @@ def shrink_every_other_selection(layer):
 
 
 def run_against_oracle(case, backend="eager", recalls=None):
-    policy = make(spec_of(case, backend)).bind(TINY, device="cpu", dtype=torch.float32, max_len=160)
+    # the policy on the test device, the oracle on the CPU: inputs go there, outputs come back
+    policy = make(spec_of(case, backend)).bind(TINY, device=DEVICE, dtype=torch.float32, max_len=160)
     recalls = [] if recalls is None else recalls
     for layer in policy.layers[1:]:  # skip_layers=1
         check_slot_lengths_at_attention(layer, recalls)
@@ -161,15 +163,16 @@ def run_against_oracle(case, backend="eager", recalls=None):
             v = torch.randn(1, TINY.n_kv_heads, T, TINY.head_dim, generator=g)
             keys[i] = k if step == 0 else torch.cat((keys[i], k), 2)
             values[i] = v if step == 0 else torch.cat((values[i], v), 2)
+            on = [t.to(DEVICE) for t in (q, k, v)]
             if step == 0:
-                layer.prefill(q, k, v, torch.arange(T)[None])
+                layer.prefill(*on, torch.arange(T, device=DEVICE)[None])
                 continue
             if i < 1:  # skip_layers: full KV
-                layer.decode(q, k, v, torch.tensor([[keys[i].shape[2] - 1]]))
+                layer.decode(*on, torch.tensor([[keys[i].shape[2] - 1]], device=DEVICE))
                 assert layer.attended_indices() is None  # reads everything
                 continue
             n_cand, L = layer.kv.n_cand, keys[i].shape[2]
-            out = layer.decode(q, k, v, None)
+            out = layer.decode(*on, None).cpu()
             read = layer.attended_indices()  # (Hkv, n) what the policy says it read
             toks = [sorted(t for t in row.tolist() if t >= 0) for row in read]
             # group-consistent: every query head of group m reads toks[m], and nothing else
@@ -237,7 +240,7 @@ def test_smollm2_retrieval_stats(smollm2):
     searches the trees (keys scored, pages recalled, budget held). A covering budget giving full
     KV's logits, and backend=reference decoding the default's tokens: test_contract's matrix."""
     model, tok = smollm2
-    ids = torch.tensor([tok.encode(ITEMS_PROMPT)])
+    ids = torch.tensor([tok.encode(ITEMS_PROMPT)], device=DEVICE)
     T = ids.shape[1]
     assert 250 < T < 500
     _, policy = greedy_logits(model, ids, "icecache:budget=96", 5)
@@ -290,3 +293,30 @@ def test_gqa_merge_reference_backend(case):
     exhaustive parameters, selects the oracle's pages."""
     case.update(steps=min(case["steps"], 4), T=min(case["T"], 60))
     run_against_oracle(case, backend="reference")
+
+
+def test_on_cuda_the_host_tier_runs_eager_and_the_device_tier_its_backend():
+    """icecache beside a GPU, checked without one: the tree's keys and the host pages stay on the
+    host (the paper's Sec. 4.3), so the DCI scores and the gather into the pinned staging buffer
+    run eager there, while the scatter into the slots and the paged attention run triton on the
+    device. The routing is a pure function of (tier, backend, device); the policy is inspected
+    with tiers that say "cuda", never run."""
+    from types import SimpleNamespace
+
+    assert backend_on("host", "triton", "cuda") == "eager"
+    assert backend_on("device", "triton", "cuda") == "triton"
+    assert [backend_on(tier, "triton", "cpu") for tier in ("host", "device")] == ["triton", "triton"]
+    with pytest.raises(ValueError, match="tier"):
+        backend_on("disk", "triton", "cpu")
+    policy = make("icecache:page_size=4,budget=32,sink=4,window=8,backend=triton")
+    policy.max_len, policy.tiers = 64, SimpleNamespace(device=torch.device("cuda"))
+    policy.validate(TINY)
+    assert (policy.search, policy.host_backend) == ("triton", "eager")
+    # on this machine's test device both tiers run triton: the search's kernel, the gather's, the
+    # scatter's and the attention's
+    bound = make("icecache:page_size=4,budget=32,sink=4,window=8,skip_layers=0,backend=triton").bind(
+        TINY, device=DEVICE, dtype=torch.float32, max_len=64)
+    layer = bound.layers[0]
+    host = "eager" if DEVICE.type == "cuda" else "triton"
+    assert (layer.searcher.backend, layer.kv.gather_backend) == (host, host)
+    assert (layer.kv.backend, layer.kv.pool.backend) == ("triton", "triton")

@@ -14,6 +14,8 @@ from minikv.testing import assert_close
 from minikv.models.attention import dense_attention
 from minikv.policies import make
 
+from ..fixtures import DEVICE
+
 TINY = ModelConfig(model_type="llama", vocab_size=64, hidden_size=48, intermediate_size=64, n_layers=2,
                    n_heads=6, n_kv_heads=2, head_dim=16, max_position_embeddings=4096, rotary_dim=16)
 
@@ -24,7 +26,7 @@ class Driver:
 
     def __init__(self, spec, max_len=200, seed=0, q_scale=1.0, cfg=TINY):
         self.cfg = cfg
-        self.policy = make(spec).bind(cfg, device="cpu", dtype=torch.float32, max_len=max_len)
+        self.policy = make(spec).bind(cfg, device=DEVICE, dtype=torch.float32, max_len=max_len)
         self.g = torch.Generator().manual_seed(seed)
         self.q_scale = q_scale
         self.k_all = [[] for _ in range(cfg.n_layers)]  # per layer: list of (Hkv, D) per token
@@ -32,7 +34,7 @@ class Driver:
         self.outs = []
 
     def _rand(self, *shape):
-        return torch.randn(*shape, generator=self.g)
+        return torch.randn(*shape, generator=self.g).to(DEVICE)  # drawn on the CPU: the same on every device
 
     def step(self, T=1, logits=None):
         p, cfg = self.policy, self.cfg
@@ -40,10 +42,10 @@ class Driver:
             q = self._rand(1, cfg.n_heads, T, cfg.head_dim) * self.q_scale
             k, v = self._rand(1, cfg.n_kv_heads, T, cfg.head_dim), self._rand(1, cfg.n_kv_heads, T, cfg.head_dim)
             if p.steps == 0:
-                out = layer.prefill(q, k, v, torch.arange(T)[None])
+                out = layer.prefill(q, k, v, torch.arange(T, device=DEVICE)[None])
             else:
                 active = layer.active_tokens().tolist() + [layer.n_tok]  # what attention may read
-                out = layer.decode(q, k, v, torch.tensor([[layer.n_tok]]))
+                out = layer.decode(q, k, v, torch.tensor([[layer.n_tok]], device=DEVICE))
                 self.outs.append((i, q, active, out))
             self.k_all[i].extend(k[0].unbind(1))
             self.v_all[i].extend(v[0].unbind(1))
@@ -67,11 +69,13 @@ class Driver:
             assert layer.n_frozen == len(frozen) and layer.host_tokens() == len(frozen)
             assert layer.device_tokens() == len(active) <= layer.allocated_device_tokens()
             K, V = torch.stack(self.k_all[i], 1), torch.stack(self.v_all[i], 1)  # (Hkv, n, D)
-            # bit for bit: active slots on the device tier, frozen tokens on the host tier
+            # bit for bit: active slots on the device tier, frozen tokens on the host tier (compared
+            # on the host)
             k_act, v_act = layer.active_kv()
             k_frozen, v_frozen = layer.frozen_kv(torch.tensor(frozen, dtype=torch.int64))
-            assert torch.equal(k_act, K[:, active]) and torch.equal(v_act, V[:, active])
-            assert torch.equal(k_frozen, K[:, frozen]) and torch.equal(v_frozen, V[:, frozen])
+            K, V = K.cpu(), V.cpu()
+            assert torch.equal(k_act.cpu(), K[:, active]) and torch.equal(v_act.cpu(), V[:, active])
+            assert torch.equal(k_frozen.cpu(), K[:, frozen]) and torch.equal(v_frozen.cpu(), V[:, frozen])
             timers = layer.timers()
             assert (timers[frozen] > 0).all(), "a due token was not restored"
             assert (timers[active] == 0).all()
@@ -83,6 +87,7 @@ class Driver:
 def script_relevance(table, policy):
     """Every layer's s_j (Eq. 2) becomes table[step, j]; the attention itself runs as it is. The
     benchmarks' way in: an instance attribute over the layer's `attend`."""
+    table = table.to(DEVICE)  # indexed by the layer's active tokens, on the test device
     for layer in policy.layers:
         def attend(q, layer=layer, real=layer.attend):
             out, _ = real(q)
@@ -141,9 +146,9 @@ def one_token_read(T: int, j: int):
 
 def frozen_after_prefill(spec: str, q, k, v) -> list[int]:
     """Layer 0's frozen tokens after a prefill of q, k, v and its end_step."""
-    p = make(spec).bind(TINY, device="cpu", dtype=torch.float32, max_len=16)
+    p = make(spec).bind(TINY, device=DEVICE, dtype=torch.float32, max_len=16)
     for layer in p.layers:
-        layer.prefill(q, k, v, torch.arange(q.shape[2])[None])
+        layer.prefill(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), torch.arange(q.shape[2], device=DEVICE)[None])
     p.end_step()
     return p.layers[0].frozen_tokens().tolist()
 
@@ -223,16 +228,16 @@ def test_attention_reads_exactly_the_active_tokens(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_no_freezing_is_full_attention(backend):
     # tau = 0: nothing is ever below it; the policy is the full cache
-    full = make("full").bind(TINY, device="cpu", dtype=torch.float32, max_len=40)
+    full = make("full").bind(TINY, device=DEVICE, dtype=torch.float32, max_len=40)
     d = Driver(f"softfreeze:tau=0,backend={backend}", max_len=40)
     g = torch.Generator().manual_seed(5)
     for t in range(12):
         T = 9 if t == 0 else 1
         for i in range(TINY.n_layers):
-            q = torch.randn(1, 6, T, 16, generator=g)
-            k, v = torch.randn(1, 2, T, 16, generator=g), torch.randn(1, 2, T, 16, generator=g)
+            q = torch.randn(1, 6, T, 16, generator=g).to(DEVICE)
+            k, v = torch.randn(1, 2, T, 16, generator=g).to(DEVICE), torch.randn(1, 2, T, 16, generator=g).to(DEVICE)
             fn = "prefill" if t == 0 else "decode"
-            a = getattr(full.layers[i], fn)(q, k, v, None if t else torch.arange(T)[None].expand(1, T))
+            a = getattr(full.layers[i], fn)(q, k, v, None if t else torch.arange(T, device=DEVICE)[None].expand(1, T))
             b = getattr(d.policy.layers[i], fn)(q, k, v, None)
             assert_close(b, a, torch.float32)
         full.end_step(None)
@@ -322,7 +327,7 @@ def test_rewalk_drops_the_last_tokens_and_is_guarded(backend):
 
 def uniform_over(m, V=1024):
     """Logits whose distribution is uniform over m tokens: entropy log(m) nats."""
-    logits = torch.full((1, V), -1e4)
+    logits = torch.full((1, V), -1e4, device=DEVICE)  # where a model's logits are
     logits[0, :m] = 0.0
     return logits
 
@@ -353,7 +358,7 @@ def test_ladder_climbs_one_rung_per_spike_and_falls_back_when_calm(backend):
 
 
 def test_is_spike_rule():
-    p = make("softfreeze:egr_window=4,egr_z=2,egr_min=0.5").bind(TINY, device="cpu", dtype=torch.float32, max_len=8)
+    p = make("softfreeze:egr_window=4,egr_z=2,egr_min=0.5").bind(TINY, device=DEVICE, dtype=torch.float32, max_len=8)
     p.entropies = [1.0, 1.2, 0.8, 1.0]  # mean 1, std 0.163
     assert not p.is_spike(1.49)  # above 2 std but within egr_min
     assert p.is_spike(1.51)
@@ -378,7 +383,7 @@ def test_sliding_window_models_are_refused():
     from dataclasses import replace
 
     with pytest.raises(ValueError, match="sliding"):
-        make("softfreeze").bind(replace(TINY, sliding_window=16), device="cpu", dtype=torch.float32, max_len=8)
+        make("softfreeze").bind(replace(TINY, sliding_window=16), device=DEVICE, dtype=torch.float32, max_len=8)
 
 
 # -- SmolLM2 -------------------------------------------------------------------------------------
