@@ -5,7 +5,11 @@ whatever the sequence of inserts, level growth included); the fast forms (search
 pages_fast) against the readable Algorithms 3-4 (search.py): same scored keys and same pages, at
 the default and at small fields of view, ties included; DCI recall against exact maximum inner
 product on random keys and on SmolLM2's keys (exhaustive parameters give recall 1.0 and the
-exact pages)."""
+exact pages).
+
+The tree and its search live on the host tier (icecache's design: policies/tiers.backend_on runs
+them eager beside a GPU), so these tests build their keys on the CPU whatever the test device
+(CPU_ONLY in tests/fixtures.py); SmolLM2 records its keys where it runs."""
 import math
 
 import torch

@@ -10,11 +10,13 @@ from hypothesis import strategies as st
 from minikv.policies.tiers import Tiers
 from minikv.policies.paged import HostPages, PagedKV, page_digest
 
+from ..fixtures import DEVICE
+
 H, D = 2, 8
 
 
 def make_store(P=4, n_sink=1, n_select=2, n_window=2, max_len=200, digest="minmax"):
-    tiers = Tiers("cpu")
+    tiers = Tiers(DEVICE)
     pages = HostPages(n_kv=H, head_dim=D, page_size=P, max_len=max_len, dtype=torch.float32, tiers=tiers, digest=digest)
     return PagedKV(candidates=pages, n_kv=H, head_dim=D, page_size=P, max_len=max_len, n_sink=n_sink,
                    n_select=n_select, n_window=n_window, dtype=torch.float32, tiers=tiers)
@@ -22,7 +24,7 @@ def make_store(P=4, n_sink=1, n_select=2, n_window=2, max_len=200, digest="minma
 
 def tokens(T, seed):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(1, H, T, D, generator=g), torch.randn(1, H, T, D, generator=g)
+    return torch.randn(1, H, T, D, generator=g).to(DEVICE), torch.randn(1, H, T, D, generator=g).to(DEVICE)
 
 
 def check_layout(store, k, v):
@@ -46,9 +48,10 @@ def check_layout(store, k, v):
         p = store.n_sink + c
         pages = store.candidates
         hk, hv = pages.host[c, :, 0], pages.host[c, :, 1]  # (H, P, D): one contiguous HND block per head
-        assert torch.equal(hk, k[0, :, p * P:(p + 1) * P]) and torch.equal(hv, v[0, :, p * P:(p + 1) * P])
+        host_k, host_v = (x[0, :, p * P:(p + 1) * P].to(hk.device) for x in (k, v))  # compared on the host
+        assert torch.equal(hk, host_k) and torch.equal(hv, host_v)
         assert pages.host[c, 0].is_contiguous()
-        lo, hi = page_digest(hk[None], pages.digest)
+        lo, hi = page_digest(hk[None].to(pages.lo.device), pages.digest)  # where the digests live
         assert torch.equal(pages.lo[0, :, c], lo[0]) and torch.equal(pages.hi[0, :, c], hi[0])
     assert store.device_tokens() <= (store.n_sink + store.n_select + store.n_window) * P
 
@@ -86,7 +89,7 @@ def test_prefill_equals_token_by_token(T, P, n_window, seed):
 
 
 def test_arkvale_digest_is_a_box_around_the_centre():
-    k = torch.randn(3, H, 4, D)
+    k = torch.randn(3, H, 4, D, device=DEVICE)
     lo, hi = page_digest(k, "arkvale")
     centre = (k.amin(2) + k.amax(2)) / 2
     torch.testing.assert_close((lo + hi) / 2, centre)
@@ -101,11 +104,11 @@ def test_recall_is_incremental_and_fills_dropped_slots():
     store = make_store(P, n_sink=1, n_select=3, n_window=1)
     store.prefill(k, v)  # 15 pages: 1 sink, 14 candidates (the last page is full, the window rolled)
     assert store.n_cand == 14
-    assert store.recall(torch.tensor([[0, 5, 9], [1, 2, -1]])) == 5
+    assert store.recall(torch.tensor([[0, 5, 9], [1, 2, -1]], device=DEVICE)) == 5
     assert store.tiers.bytes_to_device == 5 * 2 * P * D * 4
     before = store.resident.clone()
     # head 0 keeps 5 and 9 and gets 7 in the slot of 0; head 1 keeps everything
-    assert store.recall(torch.tensor([[9, 7, 5], [2, 1, -1]])) == 1
+    assert store.recall(torch.tensor([[9, 7, 5], [2, 1, -1]], device=DEVICE)) == 1
     slot = int((before[0] == 0).nonzero())
     assert store.resident[0, slot] == 7 and store.resident[1].tolist() == before[1].tolist()
     for h in range(H):
@@ -119,7 +122,8 @@ def test_recall_is_incremental_and_fills_dropped_slots():
             assert torch.equal(store.pool.k_pages[s, :, h], k[0, h, p * P:(p + 1) * P])
             assert torch.equal(store.pool.v_pages[s, :, h], v[0, h, p * P:(p + 1) * P])
     # only some heads: head 1 keeps its pages whatever the selection says for it
-    assert store.recall(torch.tensor([[9, 7, 5], [11, 12, 13]]), heads=torch.tensor([False, False])) == 0
+    assert store.recall(torch.tensor([[9, 7, 5], [11, 12, 13]], device=DEVICE),
+                        heads=torch.tensor([False, False], device=DEVICE)) == 0
 
 
 def test_impossible_window():
@@ -140,9 +144,10 @@ def test_attend_reads_the_pool_as_the_page_table_says(P, S, G, seed):
     lens[0, :, 0] = torch.randint(1, P + 1, (H,), generator=g, dtype=torch.int32)  # a token per head
     q = torch.randn(1, H * G, D, generator=g)
     table = torch.arange(S, dtype=torch.int32).expand(1, H, S).contiguous()
+    k, v, lens, q, table = (x.to(DEVICE) for x in (k, v, lens, q, table))  # drawn on the CPU, run on the device
     want = paged_attention(q, k, v, table, lens)
     got = pool_attention(q, k, v, lens)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     k2 = k.clone()
-    k2[(torch.arange(P) >= lens[0, :, :, None]).permute(1, 2, 0)] = 1e4  # hidden keys change nothing
+    k2[(torch.arange(P, device=DEVICE) >= lens[0, :, :, None]).permute(1, 2, 0)] = 1e4  # hidden keys change nothing
     torch.testing.assert_close(pool_attention(q, k2, v, lens), want, rtol=1e-5, atol=1e-6)

@@ -5,7 +5,8 @@ asynchronous copies through a small stream API (CudaStreams, beside it). Here a 
 for CUDA: it logs every stream operation, and `replay` applies CUDA's rules (work on one stream
 runs in issue order; wait_event orders a stream after what was recorded; wait_stream after
 everything issued so far on the other stream; an event's host synchronize waits for what was
-recorded). The real policies run on top, on the CPU. The properties:
+recorded). The real policies run on top, on the CPU whatever the test device (CPU_ONLY: on a GPU
+the copies would also run on CUDA's real streams, which the log does not see). The properties:
   * every copy into a pool is ordered after the one before it into that pool (two copies may
     write the same slot), whichever stream each ran on;
   * every attention over a pool is ordered after every copy into it issued before it;
@@ -21,6 +22,7 @@ from minikv.policies import make
 from minikv.policies.synckv import layer as synckv_layer
 from minikv.policies.tiers import Tiers
 
+from ..fixtures import CPU_ONLY
 from .test_synckv import TINY as SYNCKV_TINY
 from .test_synckv import TINY_CLUSTERS, write_clusters
 
@@ -151,7 +153,7 @@ def run_freekv(monkeypatch):
     cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=48, intermediate_size=64, n_layers=2,
                       n_heads=6, n_kv_heads=3, head_dim=16, max_position_embeddings=4096, rotary_dim=8)
     policy = make("freekv:page_size=2,budget=12,sink=2,window=2,tau=0.5").bind(
-        cfg, device="cpu", dtype=torch.float32, max_len=80)
+        cfg, device=CPU_ONLY, dtype=torch.float32, max_len=80)  # the recorder stands in for CUDA (module docstring)
     install(policy, rec, monkeypatch)
     for layer in policy.layers:
         pool = layer.kv.pool
@@ -178,7 +180,7 @@ def run_synckv(monkeypatch, tmp_path):
     rec = Recorder()
     clusters = write_clusters(tmp_path / "tiny.json", SYNCKV_TINY, TINY_CLUSTERS)
     policy = make(f"synckv:budget=12,window=2,m=2,rho=0.3,wide_layers=0,clusters={clusters}").bind(
-        SYNCKV_TINY, device="cpu", dtype=torch.float32, max_len=80)
+        SYNCKV_TINY, device=CPU_ONLY, dtype=torch.float32, max_len=80)  # the recorder stands in for CUDA
     install(policy, rec, monkeypatch)
     gathered = synckv_layer.gathered_attention
     current = {}  # the layer decoding now, whose bank the attention reads

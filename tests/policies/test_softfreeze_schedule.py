@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ..fixtures import DEVICE
 from .test_softfreeze import TINY, Driver, script_relevance
 
 
@@ -55,7 +56,7 @@ def run_twins(spec, n_layers, n_prompt, steps, seed, ops=(), discrete=False):
             fast.policy.state.reserve(fast.policy.state.cap + 1)
         elif op == "unfreeze":
             for a, b in zip(fast.policy.layers, ref.policy.layers):
-                pick = torch.rand(a.n_tok, generator=g) < 0.5
+                pick = (torch.rand(a.n_tok, generator=g) < 0.5).to(DEVICE)
                 assert a.unfreeze_where(pick) == b.unfreeze_where(pick)
         elif op in ("soft_reset", "window_reset", "full_reset"):
             assert getattr(fast.policy, op)() == getattr(ref.policy, op)()
@@ -102,12 +103,12 @@ def test_appended_slots_read_as_written():
     the same."""
     from minikv.policies import make
 
-    bind = lambda: make("softfreeze").bind(replace(TINY, n_layers=3), device="cpu", dtype=torch.float32,  # noqa: E731
+    bind = lambda: make("softfreeze").bind(replace(TINY, n_layers=3), device=DEVICE, dtype=torch.float32,  # noqa: E731
                                            max_len=300).state
     eager, lazy = bind(), bind()
     g = torch.Generator().manual_seed(0)
     for l in range(3):
-        k, v = torch.randn(eager.Hkv, 5, eager.D, generator=g), torch.randn(eager.Hkv, 5, eager.D, generator=g)
+        k, v = (torch.randn(eager.Hkv, 5, eager.D, generator=g).to(DEVICE) for _ in "kv")
         eager.fill(l, k, v)
         lazy.fill(l, k, v)
     eager.slots[1].fill_(7)  # stale counts in the free slots: an append must reset its own
@@ -115,7 +116,7 @@ def test_appended_slots_read_as_written():
     cap = lazy.cap
     for t in range(150):
         for l in range(3):
-            k, v = torch.randn(1, eager.Hkv, 1, eager.D, generator=g), torch.randn(1, eager.Hkv, 1, eager.D, generator=g)
+            k, v = (torch.randn(1, eager.Hkv, 1, eager.D, generator=g).to(DEVICE) for _ in "kv")
             eager.append(l, k, v)
             lazy.append(l, k, v)
             assert eager.slots is not None  # a read after every append

@@ -126,7 +126,7 @@ def test_triton_backend_without_cuda_runs_in_the_interpreter_after_torch_importe
                 policy = make(f"freekv:page_size=4,budget=24,sink=4,window=8,backend={backend}")
             assert [str(w.message).startswith("backend=triton without CUDA") for w in caught] == (
                 [True] if backend == "triton" else []), caught
-            policy.bind(cfg, device="cpu", dtype=torch.float32, max_len=48)
+            policy.bind(cfg, device="cpu", dtype=torch.float32, max_len=48)  # CPU_ONLY: runs without CUDA only
             out = [model(ids[:, :32], policy=policy)[:, -1]]
             for t in range(32, 36):
                 out.append(model(ids[:, t:t + 1], positions=torch.tensor([[t]]), policy=policy)[:, -1])

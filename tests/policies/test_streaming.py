@@ -14,6 +14,8 @@ from minikv.models.rope import RotaryEmbedding
 from minikv.policies import make
 from minikv.policies.streaming import prune_target, schedule
 
+from ..fixtures import DEVICE
+
 
 def paper_algorithm_1(L, S, W, R, sigma, delta, B=0):
     """Algorithm 1 transcribed line by line, independently of the policy's code."""
@@ -118,7 +120,7 @@ def run_oracle(case, backend):
     S, W, R, slack, max_drop = case["S"], case["W"], case["R"], case["slack"], case["max_drop"]
     policy = make(f"streaming:sink={S},window={W},R={R},slack={slack},max_drop={max_drop},backend={backend}")
     T, steps = case["T"], case["steps"]
-    policy.bind(cfg, device="cpu", dtype=torch.float32, max_len=T + steps)
+    policy.bind(cfg, device=DEVICE, dtype=torch.float32, max_len=T + steps)  # the oracle: on the CPU
     layer, rope = policy.layer(0), RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta)
     g = torch.Generator().manual_seed(case["seed"])
     N = T + steps
@@ -127,8 +129,8 @@ def run_oracle(case, backend):
     v = torch.randn(cfg.n_kv_heads, N, cfg.head_dim, generator=g)
     offset = case.get("offset", 0)
 
-    def model_rope(x, a, b, positions):  # the model's RoPE, where the policy asks for it
-        return rope.apply(x[None, :, a:b], policy.rope_positions(positions))
+    def model_rope(x, a, b, positions):  # the model's RoPE, where the policy asks for it; to the policy's device
+        return rope.apply(x[None, :, a:b], policy.rope_positions(positions)).to(DEVICE)
     n_rotations = len(schedule(N, S, W, R, slack, max_drop)[2]) + 2
     k_tol, out_tol = rope_tolerances(N, n_rotations, q_pre, k_pre, v)
 
@@ -143,20 +145,20 @@ def run_oracle(case, backend):
         if t == T - 1 or t >= T:  # after the prefill, and after every decode step
             if t == T - 1:
                 pos = torch.arange(T)[None]
-                out = layer.prefill(model_rope(q_pre, 0, T, pos), model_rope(k_pre, 0, T, pos), v[None, :, :T],
-                                    pos)[0]  # (Hq, T, D)
+                out = layer.prefill(model_rope(q_pre, 0, T, pos), model_rope(k_pre, 0, T, pos),
+                                    v[None, :, :T].to(DEVICE), pos.to(DEVICE))[0]  # (Hq, T, D)
                 assert_close(out.transpose(0, 1), torch.stack(expected).float(), atol=out_tol, rtol=1e-5,
                              name="prefill out")
             else:
                 pos = torch.tensor([[offset + t]])
                 out = layer.decode(model_rope(q_pre, t, t + 1, pos), model_rope(k_pre, t, t + 1, pos),
-                                   v[None, :, t:t + 1], pos)[0, :, 0]
+                                   v[None, :, t:t + 1].to(DEVICE), pos.to(DEVICE))[0, :, 0]
                 assert_close(out, expected[-1].float(), atol=out_tol, rtol=1e-5, name=f"decode out at t={t}")
             L = len(retained)
             assert layer.device_tokens() == L
             cached = rope.apply(k_pre[None, :, retained], torch.arange(L)[None])  # RoPE at cache positions
             assert_close(layer.k[:, :, :L], cached, atol=k_tol, rtol=1e-5, name=f"cached keys at t={t}")
-            assert torch.equal(layer.v[:, :, :L], v[None, :, retained])
+            assert torch.equal(layer.v[:, :, :L].cpu(), v[None, :, retained])
     events = schedule(N, S, W, R, slack, max_drop)[2]
     assert policy.stats()["prune_events"] == len(events) and policy.stats()["tokens_dropped"] == N - len(retained)
 
@@ -199,14 +201,15 @@ def test_prefill_equals_token_by_token_decode():
     q, k = rope.apply(q_pre, pos), rope.apply(k_pre, pos)
     v = torch.randn(1, cfg.n_kv_heads, T, cfg.head_dim, generator=g)
     spec = "streaming:sink=4,window=100,R=16,slack=8,max_drop=12"
-    a = make(spec).bind(cfg, device="cpu", dtype=torch.float32, max_len=T)
-    out_prefill = a.layer(0).prefill(q, k, v, pos)
-    b = make(spec).bind(cfg, device="cpu", dtype=torch.float32, max_len=T)
-    outs = [b.layer(0).prefill(q[:, :, :1], k[:, :, :1], v[:, :, :1], pos[:, :1])]
+    on = lambda x: x.to(DEVICE)  # the test plays the model on the CPU, the policies run on the test device
+    a = make(spec).bind(cfg, device=DEVICE, dtype=torch.float32, max_len=T)
+    out_prefill = a.layer(0).prefill(on(q), on(k), on(v), on(pos))
+    b = make(spec).bind(cfg, device=DEVICE, dtype=torch.float32, max_len=T)
+    outs = [b.layer(0).prefill(on(q[:, :, :1]), on(k[:, :, :1]), on(v[:, :, :1]), on(pos[:, :1]))]
     for t in range(1, T):
         at = b.rope_positions(pos[:, t:t + 1])  # the model rotates a decoded token where the policy says
         qt, kt = rope.apply(q_pre[:, :, t:t + 1], at), rope.apply(k_pre[:, :, t:t + 1], at)
-        outs.append(b.layer(0).decode(qt, kt, v[:, :, t:t + 1], pos[:, t:t + 1]))
+        outs.append(b.layer(0).decode(on(qt), on(kt), on(v[:, :, t:t + 1]), on(pos[:, t:t + 1])))
     la, lb = a.layer(0), b.layer(0)
     k_tol, out_tol = rope_tolerances(T, b.stats()["prune_events"] + 2, q, k, v)
     assert_close(out_prefill, torch.cat(outs, dim=2), atol=out_tol, rtol=1e-5)
@@ -240,12 +243,12 @@ def test_impossible_parameters(spec, message):
 def test_window_beyond_context_is_an_error():
     cfg = tiny_config(context=512)
     with pytest.raises(ValueError, match="context"):
-        make("streaming:sink=4,window=500,R=32").bind(cfg, device="cpu", dtype=torch.float32, max_len=100)
+        make("streaming:sink=4,window=500,R=32").bind(cfg, device=DEVICE, dtype=torch.float32, max_len=100)
     # pruning keeps positions below C + R, so a sequence longer than the context is fine ...
-    make("streaming:sink=4,window=400,R=32").bind(cfg, device="cpu", dtype=torch.float32, max_len=10_000)
+    make("streaming:sink=4,window=400,R=32").bind(cfg, device=DEVICE, dtype=torch.float32, max_len=10_000)
     # ... but not without pruning
     with pytest.raises(ValueError, match="context"):
-        make("streaming:R=0").bind(cfg, device="cpu", dtype=torch.float32, max_len=10_000)
+        make("streaming:R=0").bind(cfg, device=DEVICE, dtype=torch.float32, max_len=10_000)
 
 
 def test_defaults_and_budget():
@@ -259,15 +262,15 @@ def test_defaults_and_budget():
 
 def test_stats_and_budget_hold_over_a_run():
     cfg = tiny_config()
-    policy = make("streaming:budget=40,sink=4,R=8,slack=4,max_drop=6").bind(cfg, device="cpu", dtype=torch.float32,
+    policy = make("streaming:budget=40,sink=4,R=8,slack=4,max_drop=6").bind(cfg, device=DEVICE, dtype=torch.float32,
                                                                             max_len=200)
     layer = policy.layer(0)
     g = torch.Generator().manual_seed(0)
-    x = lambda H, T: torch.randn(1, H, T, cfg.head_dim, generator=g)
-    layer.prefill(x(4, 50), x(2, 50), x(2, 50), torch.arange(50)[None])
+    x = lambda H, T: torch.randn(1, H, T, cfg.head_dim, generator=g).to(DEVICE)
+    layer.prefill(x(4, 50), x(2, 50), x(2, 50), torch.arange(50, device=DEVICE)[None])
     peak = layer.n
     for t in range(50, 200):
-        layer.decode(x(4, 1), x(2, 1), x(2, 1), torch.tensor([[t]]))
+        layer.decode(x(4, 1), x(2, 1), x(2, 1), torch.tensor([[t]], device=DEVICE))
         policy.end_step()
         peak = max(peak, layer.n)
     st_ = policy.stats()
@@ -287,16 +290,17 @@ def test_model_rotates_at_the_positions_the_policy_chooses(reference_dir):
     model rotates every new q and k at `rope_positions` (the cache slot), never at p."""
     from minikv.loading import load_model
 
-    model = load_model(reference_dir / "models" / "llama_gqa3", device="cpu", dtype=torch.float32)
+    model = load_model(reference_dir / "models" / "llama_gqa3", device=DEVICE, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.cfg.vocab_size, (1, 40), generator=g)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 40), generator=g).to(DEVICE)
     runs = []
     for offset in (0, 10**7):
         policy = make("streaming:sink=2,window=10,R=4,slack=2,max_drop=3").bind(
-            model.cfg, device="cpu", dtype=torch.float32, max_len=40)
+            model.cfg, device=DEVICE, dtype=torch.float32, max_len=40)
         logits = [model(ids[:, :8], policy=policy)[:, -1]]
         for t in range(8, 40):  # prunes happen along the way: positions get renumbered
-            logits.append(model(ids[:, t:t + 1], positions=torch.tensor([[offset + t]]), policy=policy)[:, -1])
+            logits.append(model(ids[:, t:t + 1], positions=torch.tensor([[offset + t]], device=DEVICE),
+                                policy=policy)[:, -1])
         runs.append(torch.cat(logits))
     assert torch.equal(runs[0], runs[1])
 
@@ -317,20 +321,20 @@ def test_smollm2_streaming(smollm2):
     a time gives the logits of one streaming prefill over all 160 (prunes happen in both parts),
     and the loss stays near full attention's (sinks kept)."""
     model, tok = smollm2
-    ids = torch.tensor([pydoc_ids(tok, 160)])
+    ids = torch.tensor([pydoc_ids(tok, 160)], device=DEVICE)
     T, P = ids.shape[1], 100
 
     full = model(ids)[0]  # (T, V): plain causal forward
-    never = make("streaming:R=0").bind(model.cfg, device="cpu", dtype=torch.float32, max_len=T)
+    never = make("streaming:R=0").bind(model.cfg, device=DEVICE, dtype=torch.float32, max_len=T)
     assert_close(model(ids, policy=never)[0], full, torch.float32, atol=1e-4, rtol=1e-4)
 
     spec = "streaming:sink=4,window=40,R=8,slack=4,max_drop=6"
-    one = make(spec).bind(model.cfg, device="cpu", dtype=torch.float32, max_len=T)
+    one = make(spec).bind(model.cfg, device=DEVICE, dtype=torch.float32, max_len=T)
     prefilled = model(ids, policy=one)[0]  # (T, V)
-    step = make(spec).bind(model.cfg, device="cpu", dtype=torch.float32, max_len=T)
+    step = make(spec).bind(model.cfg, device=DEVICE, dtype=torch.float32, max_len=T)
     rows = list(model(ids[:, :P], policy=step)[0])
     for t in range(P, T):
-        rows.append(model(ids[:, t:t + 1], positions=torch.tensor([[t]]), policy=step)[0, 0])
+        rows.append(model(ids[:, t:t + 1], positions=torch.tensor([[t]], device=DEVICE), policy=step)[0, 0])
     stepped = torch.stack(rows)
     assert_close(prefilled, stepped, torch.float32, atol=2e-3, rtol=1e-3)
     assert one.stats()["cache_length"] == step.stats()["cache_length"] < 4 + 40 + 8

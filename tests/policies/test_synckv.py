@@ -19,7 +19,7 @@ from minikv.policies import make
 from .test_freekv import accept_reference_backend  # at import: inside a @given test it reads as nesting
 from minikv.policies.synckv.clusters import FORMAT, config_sha256
 
-from ..fixtures import ITEMS_PROMPT, greedy_logits
+from ..fixtures import DEVICE, ITEMS_PROMPT, greedy_logits
 
 TINY = ModelConfig(model_type="llama", vocab_size=64, hidden_size=48, intermediate_size=64, n_layers=2,
                    n_heads=6, n_kv_heads=3, head_dim=16, max_position_embeddings=4096, rotary_dim=16)
@@ -77,7 +77,8 @@ def synckv_cases(draw):
 def run_against_oracle(case, clusters, backend="eager"):
     spec = (f"synckv:budget={case['budget']},window={case['window']},rho={case['rho']},m={case['m']},wide_layers=0,"
             f"offload={case['offload']},anticipation={case['anticipation']},clusters={clusters},backend={backend}")
-    policy = make(spec).bind(TINY, device="cpu", dtype=torch.float32, max_len=80)
+    # the policy on the test device, the oracle on the CPU: inputs go there, outputs come back
+    policy = make(spec).bind(TINY, device=DEVICE, dtype=torch.float32, max_len=80)
     g = torch.Generator().manual_seed(case["seed"])
     T, W = case["T"], case["window"]
     keys, values = [None] * TINY.n_layers, [None] * TINY.n_layers
@@ -94,7 +95,7 @@ def run_against_oracle(case, clusters, backend="eager"):
             keys[i] = k if step == 0 else torch.cat((keys[i], k), 2)
             values[i] = v if step == 0 else torch.cat((values[i], v), 2)
             if step == 0:
-                layer.prefill(q, k, v, None)
+                layer.prefill(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)
                 # Eqs. 3-4: I_0 = top-k of the R-head's attention from the last prompt token,
                 # among the tokens before the window
                 chosen = expected_selection(q[:, :, -1], keys[i], layer, policy.k_static + policy.k_dyn, start[i],
@@ -107,7 +108,7 @@ def run_against_oracle(case, clusters, backend="eager"):
                 continue
             before = (policy.tiers.bytes_to_device, [list(d) for d in layer.dynamic], layer.anticipations)
             L = keys[i].shape[2]
-            out = layer.decode(q, k, v, None)
+            out = layer.decode(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), None).cpu()
             window = list(range(start[i], L))
             assert len(window) >= min(W, L)  # the last W tokens are always read
             # what each KV head read: R-heads everything, NR-heads static + dynamic + window
@@ -149,12 +150,13 @@ def check_device_and_host(layer, keys, values, T, start):
     for j, (h, c) in enumerate(zip(layer.nr_heads, layer.nr_cluster)):
         for t in layer.read_tokens(c):
             s = layer.slot_of(t, c)
-            assert torch.equal(layer.bank.store_k[0, j, s], keys[0, h, t]) and torch.equal(layer.bank.store_v[0, j, s], values[0, h, t])
+            assert (torch.equal(layer.bank.store_k[0, j, s].cpu(), keys[0, h, t])  # the device's rows, on the host
+                    and torch.equal(layer.bank.store_v[0, j, s].cpu(), values[0, h, t]))
         if layer.offload:
             banked = max(T, start)
             assert torch.equal(layer.bank.bank_k[j, :banked], keys[0, h, :banked])
             assert torch.equal(layer.bank.bank_v[j, :banked], values[0, h, :banked])
-    assert torch.equal(layer.kr[0, :, :L], keys[0, layer.r_heads])
+    assert torch.equal(layer.kr[0, :, :L].cpu(), keys[0, layer.r_heads])
 
 
 @settings(max_examples=12)
@@ -192,13 +194,13 @@ def test_the_prompts_last_tokens_are_read_by_every_head_from_the_first_step(tiny
     """The recent window starts in the prompt: at the first decode step the NR-heads read the
     prompt's last window - 1 tokens and the new one, from the device, besides I_0 (chosen among
     the tokens before them); each NR-head's output equals dense attention over exactly those."""
-    policy = make(f"synckv:budget=24,window=8,m=4,wide_layers=0,clusters={tiny_clusters}").bind(TINY, device="cpu",
+    policy = make(f"synckv:budget=24,window=8,m=4,wide_layers=0,clusters={tiny_clusters}").bind(TINY, device=DEVICE,
                                                                                    dtype=torch.float32, max_len=64)
     g = torch.Generator().manual_seed(1)
     layer, T = policy.layers[0], 40  # one cluster {0, 1, 2} led by 1: NR-heads 0 and 2
-    q, k, v = (torch.randn(1, h, T, 16, generator=g) for h in (6, 3, 3))
+    q, k, v = (torch.randn(1, h, T, 16, generator=g).to(DEVICE) for h in (6, 3, 3))
     layer.prefill(q, k, v, None)
-    q1, k1, v1 = (torch.randn(1, h, 1, 16, generator=g) for h in (6, 3, 3))
+    q1, k1, v1 = (torch.randn(1, h, 1, 16, generator=g).to(DEVICE) for h in (6, 3, 3))
     out = layer.decode(q1, k1, v1, None)
     keys, values = torch.cat((k, k1), 2), torch.cat((v, v1), 2)
     tail = list(range(T - 7, T + 1))
@@ -222,7 +224,7 @@ def test_smollm2_small_budget_anticipates(smollm2):
     from minikv.policies.synckv.clusters import least_agreeing_layers, read_similarity
 
     model, tok = smollm2
-    ids = torch.tensor([tok.encode(ITEMS_PROMPT)])
+    ids = torch.tensor([tok.encode(ITEMS_PROMPT)], device=DEVICE)
     T = ids.shape[1]
     L = T + 6
     assert 250 < T < 500
@@ -245,12 +247,12 @@ def test_smollm2_small_budget_anticipates(smollm2):
 
 def test_every_head_an_r_head_is_full_kv(tmp_path):
     clusters = write_clusters(tmp_path / "all.json", TINY, [{"clusters": [[0], [1], [2]], "r_heads": [0, 1, 2]}] * 2, n_r=3)
-    policy = make(f"synckv:n_r=3,budget=8,window=2,clusters={clusters}").bind(TINY, device="cpu", dtype=torch.float32,
+    policy = make(f"synckv:n_r=3,budget=8,window=2,clusters={clusters}").bind(TINY, device=DEVICE, dtype=torch.float32,
                                                                               max_len=40)
     g = torch.Generator().manual_seed(0)
     layer = policy.layers[0]
-    layer.prefill(*(torch.randn(1, h, 20, 16, generator=g) for h in (6, 3, 3)), None)
-    layer.decode(*(torch.randn(1, h, 1, 16, generator=g) for h in (6, 3, 3)), None)
+    layer.prefill(*(torch.randn(1, h, 20, 16, generator=g).to(DEVICE) for h in (6, 3, 3)), None)
+    layer.decode(*(torch.randn(1, h, 1, 16, generator=g).to(DEVICE) for h in (6, 3, 3)), None)
     assert layer.attended_indices() is None and layer.host_tokens() == 0 and layer.device_tokens() == 21
 
 
@@ -306,28 +308,28 @@ def test_wide_layers_take_more_clusters_in_the_least_agreeing_layers(tmp_path, w
     doc["clusterings"].update({"2": WIDE_CLUSTERS, "3": ALL_HEADS})
     open(path, "w").write(json.dumps(doc))
     policy = make(f"synckv:budget=12,window=2,m=2,wide_layers=1,wide_n_r={wide_n_r},clusters={path}").bind(
-        TINY, device="cpu", dtype=torch.float32, max_len=40)
+        TINY, device=DEVICE, dtype=torch.float32, max_len=40)
     # layer 1 agrees least: it takes the wider clustering, layer 0 keeps n_r = 1's
     assert [{"clusters": layer.clusters, "r_heads": layer.r_heads} for layer in policy.layers] == [TINY_CLUSTERS[0], layer1]
     g = torch.Generator().manual_seed(0)
     for layer in policy.layers:
-        layer.prefill(*(torch.randn(1, h, 30, 16, generator=g) for h in (6, 3, 3)), None)
-        layer.decode(*(torch.randn(1, h, 1, 16, generator=g) for h in (6, 3, 3)), None)
+        layer.prefill(*(torch.randn(1, h, 30, 16, generator=g).to(DEVICE) for h in (6, 3, 3)), None)
+        layer.decode(*(torch.randn(1, h, 1, 16, generator=g).to(DEVICE) for h in (6, 3, 3)), None)
     assert (policy.layers[1].attended_indices() is None) == (wide_n_r != 2)
     # Mem%: the R-heads whole (31 tokens), the NR-heads their reads
     whole = [len(layer.r_heads) * 31 / 3 for layer in policy.layers]
     nr = [layer.nr_read() / 3 for layer in policy.layers]
     assert policy.stats()["mem_percent"] == pytest.approx(100 * sum(whole + nr) / 62)
     with pytest.raises(ValueError, match=r"wide_n_r must be > n_r \(1\) and <= the model's 3"):
-        make(f"synckv:wide_layers=1,wide_n_r=4,clusters={path}").bind(TINY, device="cpu", dtype=torch.float32, max_len=40)
+        make(f"synckv:wide_layers=1,wide_n_r=4,clusters={path}").bind(TINY, device=DEVICE, dtype=torch.float32, max_len=40)
     # more wide layers than the model has (the default, 4, on this 2-layer model): every layer is wide
-    policy = make(f"synckv:budget=12,window=2,m=2,clusters={path}").bind(TINY, device="cpu", dtype=torch.float32,
+    policy = make(f"synckv:budget=12,window=2,m=2,clusters={path}").bind(TINY, device=DEVICE, dtype=torch.float32,
                                                                         max_len=40)
     assert [layer.r_heads for layer in policy.layers] == [[0, 1, 2], [0, 1, 2]]
     doc["similarity"] = []
     open(path, "w").write(json.dumps(doc))
     with pytest.raises(ValueError, match="holds no head similarity"):
-        make(f"synckv:wide_layers=1,clusters={path}").bind(TINY, device="cpu", dtype=torch.float32, max_len=40)
+        make(f"synckv:wide_layers=1,clusters={path}").bind(TINY, device=DEVICE, dtype=torch.float32, max_len=40)
 
 
 def test_a_clustering_that_does_not_partition_the_heads_is_refused(tmp_path, device):

@@ -1,5 +1,6 @@
 """SyncKV's offline clustering (Sec. 4.1, App. B.1): Eq. 1 on hand-made sets, K-means, planted
-clusters recovered from synthetic attention, the file round trip and its errors."""
+clusters recovered from synthetic attention, the file round trip and its errors. The clustering
+is offline arithmetic on small host tensors, no kernel or tier: built on the CPU (CPU_ONLY)."""
 import pytest
 import torch
 
