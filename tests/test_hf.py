@@ -128,6 +128,8 @@ def compare(name, got, want, tol, min_equal):
 
 
 # -- SmolLM2 from the bundled GGUF, every registered policy at its defaults ------------------------
+# transformers' model is loaded on the CPU (hf_smollm2): minikv's runtime runs beside it there
+# (smollm2_cpu), so that the two runs' logits compare on one device
 
 SMOLLM2_TOL = 2e-3  # max |logit difference|, float32: matmul summation order only (measured below 1e-4)
 
@@ -138,10 +140,10 @@ SMOLLM2_TOL = 2e-3  # max |logit difference|, float32: matmul summation order on
     pytest.param(1000, 64, marks=pytest.mark.slow),  # the issue's acceptance size
 ], ids=["400+32", "1000+64"])
 @pytest.mark.parametrize("name", available())
-def test_smollm2_policy_matches_minikv_runtime(name, prompt, new, smollm2, hf_smollm2):
+def test_smollm2_policy_matches_minikv_runtime(name, prompt, new, smollm2_cpu, hf_smollm2):
     from minikv.bench.common import text_ids
 
-    model, tok = smollm2
+    model, tok = smollm2_cpu
     ids = text_ids(tok, prompt)
     want = run_minikv(model, tok, ids, name, new)
     got = run_hf(hf_smollm2, ids, name, new)
@@ -155,10 +157,10 @@ def test_smollm2_policy_matches_minikv_runtime(name, prompt, new, smollm2, hf_sm
 
 @pytest.mark.hf
 @pytest.mark.slow
-def test_smollm2_softfreeze_rewind_restarts_generate(smollm2, hf_smollm2):
+def test_smollm2_softfreeze_rewind_restarts_generate(smollm2_cpu, hf_smollm2):
     # an entropy rule that spikes at almost every step climbs the ladder to its rewalk rung, whose
     # rewind the adapter serves by restarting generate from the kept tokens, as minikv's loop does
-    model, tok = smollm2
+    model, tok = smollm2_cpu
     from minikv.bench.common import text_ids
 
     ids = text_ids(tok, 120)
@@ -175,10 +177,10 @@ def test_smollm2_softfreeze_rewind_restarts_generate(smollm2, hf_smollm2):
 @pytest.mark.hf
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_smollm2_passkey_4k_freekv_same_answers(seed, smollm2, hf_smollm2):
+def test_smollm2_passkey_4k_freekv_same_answers(seed, smollm2_cpu, hf_smollm2):
     from minikv.bench.passkey import build_prompt, draw_key
 
-    model, tok = smollm2
+    model, tok = smollm2_cpu
     key = draw_key(seed)
     ids = build_prompt(tok, 4000, 0.5, key)
     spec = "freekv:budget=256"

@@ -11,6 +11,8 @@ from minikv import loading
 from minikv.config import ModelConfig
 from minikv.models import build_model
 
+from .fixtures import CPU_ONLY
+
 TINY = {
     "model_type": "llama", "vocab_size": 50, "hidden_size": 16, "intermediate_size": 24,
     "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
@@ -77,13 +79,15 @@ def test_unexpected_tensor_is_not_silently_dropped(tmp_path):
 
 
 def test_roundtrip_and_dtypes(tmp_path):
+    # CPU_ONLY: the loader's own round trip (files to CPU tensors, the CPU's column-major float32
+    # layout) against the model that wrote them, built on the CPU
     model = write_checkpoint(tmp_path)
     ids = torch.tensor([[1, 5, 9, 2]])
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        loaded = loading.load_model(tmp_path, device="cpu", dtype=dtype)
+        loaded = loading.load_model(tmp_path, device=CPU_ONLY, dtype=dtype)
         assert loaded.dtype == dtype
         assert all(p.device.type == "cpu" for p in loaded.parameters())
-    loaded = loading.load_model(tmp_path, device="cpu", dtype=torch.float32)
+    loaded = loading.load_model(tmp_path, device=CPU_ONLY, dtype=torch.float32)
     # every weight bit for bit; the logits to rounding, as float32 matrices are stored column-major
     # on the CPU (the matmul sums in another order)
     want = model.state_dict()

@@ -1,6 +1,9 @@
 """The compiled decode step (fast/compiled.py): the same logits as the eager step, for every
 family and policy shape, with compiled code really running, and an eager fallback where
-torch.compile cannot run."""
+torch.compile cannot run.
+
+The compiled step is the CPU's (inductor's C++ code, MKL's products, a C++ compiler's absence):
+every model and policy here is on CPU_ONLY whatever the test device, the eager twin included."""
 import re
 from pathlib import Path
 
@@ -13,7 +16,7 @@ from minikv.loading import load_model
 from minikv.fast import compiled as compiled_module
 from minikv.policies import make
 
-from ..fixtures import ITEMS_PROMPT, greedy_logits
+from ..fixtures import CPU_ONLY, ITEMS_PROMPT, greedy_logits
 
 MODELS = Path(__file__).resolve().parents[2] / "reference" / "models"
 RANDOM = sorted(p.name for p in MODELS.iterdir() if p.name != "smollm2" and (p / "config.json").exists())
@@ -21,7 +24,7 @@ RANDOM = sorted(p.name for p in MODELS.iterdir() if p.name != "smollm2" and (p /
 
 @pytest.fixture(scope="module")
 def compiled_smollm2():
-    model, tok = minikv.load("smollm2", device="cpu", dtype=torch.float32, progress=False, compile=True)
+    model, tok = minikv.load("smollm2", device=CPU_ONLY, dtype=torch.float32, progress=False, compile=True)
     assert model.compiled is not None
     return model, tok
 
@@ -30,7 +33,7 @@ def prefill_then_decode(model, ids):
     """ids (B, T): prefill the first 7 tokens under the full cache, then decode the rest one by
     one -> the logits of every position (B, T, V)."""
     B, T = ids.shape
-    policy = make("full").bind(model.cfg, device="cpu", dtype=torch.float32, max_len=T, batch_size=B)
+    policy = make("full").bind(model.cfg, device=CPU_ONLY, dtype=torch.float32, max_len=T, batch_size=B)
     steps = [model(ids[:, :7], policy=policy)]
     for t in range(7, T):
         steps.append(model(ids[:, t : t + 1], positions=torch.full((B, 1), t), policy=policy))
@@ -43,7 +46,7 @@ def test_compiled_decode_equals_transformers_logits(name):
     residual), a batch of rows: prefill 7 tokens, then compiled decode steps; every step's logits
     equal transformers' to 1e-4, as the eager decode's do (test_logits)."""
     ref = load_file(str(MODELS / name / "expected.safetensors"))
-    model = load_model(MODELS / name, device="cpu", dtype=torch.float32, compile=True)
+    model = load_model(MODELS / name, device=CPU_ONLY, dtype=torch.float32, compile=True)
     assert model.compiled is not None
     assert (prefill_then_decode(model, ref["input_ids"]) - ref["logits"]).abs().max().item() <= 1e-4
 
@@ -56,7 +59,7 @@ def test_warm_up_compiles_what_a_decode_step_runs(monkeypatch):
     standalone_compile = compiled_module.torch._inductor.standalone_compile
     monkeypatch.setattr(compiled_module.torch._inductor, "standalone_compile",
                         lambda *a, **k: compiles.append(1) or standalone_compile(*a, **k))
-    model = load_model(MODELS / RANDOM[0], device="cpu", dtype=torch.float32, compile=True)
+    model = load_model(MODELS / RANDOM[0], device=CPU_ONLY, dtype=torch.float32, compile=True)
     assert model.compiled is not None and model.cfg.n_layers >= 2
     assert len(compiles) == 4  # project, finish_then_project, finish, head
     prefill_then_decode(model, torch.randint(0, model.cfg.vocab_size, (1, 10)))
@@ -67,11 +70,11 @@ def test_warm_up_compiles_what_a_decode_step_runs(monkeypatch):
 
 
 @pytest.mark.parametrize("spec", ["full", "streaming:sink=4,window=60", "freekv:budget=128"])
-def test_compiled_smollm2_follows_the_eager_model_under_a_policy(smollm2, compiled_smollm2, spec):
+def test_compiled_smollm2_follows_the_eager_model_under_a_policy(smollm2_cpu, compiled_smollm2, spec):
     """Same prompt, same policy: the compiled model's logits at every decode step equal the eager
     model's (float32 sums in another order: ~1e-5 on logits of order 10-30), and the policy saw
     the same tokens (streaming renumbers positions, freekv selects pages from q)."""
-    model, tok = smollm2
+    model, tok = smollm2_cpu
     ids = torch.tensor([tok.encode(ITEMS_PROMPT)])
     eager, eager_policy = greedy_logits(model, ids, spec, steps=6)
     comp, comp_policy = greedy_logits(compiled_smollm2[0], ids, spec, steps=6)
@@ -89,7 +92,7 @@ def test_compiled_code_runs_the_products(compiled_smollm2):
 
     model, tok = compiled_smollm2
     ids = torch.tensor([tok.encode("The capital of France is")])
-    policy = make("full").bind(model.cfg, device="cpu", dtype=torch.float32, max_len=ids.shape[1] + 2)
+    policy = make("full").bind(model.cfg, device=CPU_ONLY, dtype=torch.float32, max_len=ids.shape[1] + 2)
     logits = model(ids, policy=policy, logits_at=torch.tensor([ids.shape[1] - 1]))
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         model(logits.argmax(-1)[:, None], positions=torch.tensor([[ids.shape[1]]]), policy=policy,
@@ -123,7 +126,7 @@ def test_generate_cli_compile_prints_what_the_eager_model_does(smollm2, monkeypa
 
 def test_compiling_says_so_on_a_terminal(monkeypatch, capsys):
     monkeypatch.setattr(compiled_module.sys.stderr, "isatty", lambda: True)
-    model = load_model(MODELS / "llama_gqa3", device="cpu", dtype=torch.float32, compile=True)
+    model = load_model(MODELS / "llama_gqa3", device=CPU_ONLY, dtype=torch.float32, compile=True)
     lines = capsys.readouterr().err.splitlines()
     assert model.compiled is not None and len(lines) == 2
     assert lines[0].startswith("minikv: compiling the decode step")
@@ -135,7 +138,7 @@ def test_without_a_working_compiler_decoding_stays_eager(monkeypatch, capsys):
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore detail")
 
     monkeypatch.setattr(compiled_module.torch._inductor, "standalone_compile", broken_compile)
-    model = load_model(MODELS / "llama_gqa3", device="cpu", dtype=torch.float32, compile=True)
+    model = load_model(MODELS / "llama_gqa3", device=CPU_ONLY, dtype=torch.float32, compile=True)
     err = capsys.readouterr().err
     assert model.compiled is None
     assert err.count("\n") == 1 and "No working C++ compiler found" in err and "decoding eagerly" in err
@@ -146,9 +149,9 @@ def test_without_a_working_compiler_decoding_stays_eager(monkeypatch, capsys):
 def test_a_policy_output_the_graphs_were_not_compiled_for_is_refused(monkeypatch):
     """The compiled graphs run without guards: an attention output of another dtype or shape
     than the query's is an error, not garbage read by code compiled for another layout."""
-    model = load_model(MODELS / "llama_gqa3", device="cpu", dtype=torch.float32, compile=True)
+    model = load_model(MODELS / "llama_gqa3", device=CPU_ONLY, dtype=torch.float32, compile=True)
     ids = torch.randint(0, model.cfg.vocab_size, (1, 9))
-    policy = make("full").bind(model.cfg, device="cpu", dtype=torch.float32, max_len=9)
+    policy = make("full").bind(model.cfg, device=CPU_ONLY, dtype=torch.float32, max_len=9)
     model(ids[:, :8], policy=policy)
     layer_type = type(policy.layer(0))
     decode = layer_type.decode

@@ -1,7 +1,8 @@
 """minikv.fast: the speed layer changes how the model computes, not what. Its linear layers
 equal F.linear (a one-row product split over the CPU threads, in either weight layout, with and
 without bias; oneDNN's packed product on AMX); a fast model's logits equal the plain model's,
-prefill and decode steps, for every family; the plain model stays plain."""
+prefill and decode steps, for every family; the plain model stays plain. The speed layer is the
+CPU's (threads, oneDNN/AMX, huge pages): every model here is on CPU_ONLY whatever the test device."""
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from minikv.loading import load_model
 from minikv.models.layers import StackedLinear
 from minikv.policies import make
 
+from ..fixtures import CPU_ONLY
 from ..test_hugepages import mapping_flags, thp_available
 
 MODELS = Path(__file__).resolve().parents[2] / "reference" / "models"
@@ -102,7 +104,7 @@ def decode_logits(model, ids, prefill=7):
     """ids (B, T): prefill the first tokens under the full cache, then one decode step per
     token -> the logits of every position (B, T, V) float32."""
     B, T = ids.shape
-    policy = make("full").bind(model.cfg, device="cpu", dtype=model.dtype, max_len=T, batch_size=B)
+    policy = make("full").bind(model.cfg, device=CPU_ONLY, dtype=model.dtype, max_len=T, batch_size=B)
     steps = [model(ids[:, :prefill], policy=policy)]
     for t in range(prefill, T):
         steps.append(model(ids[:, t : t + 1], positions=torch.full((B, 1), t), policy=policy))
@@ -122,8 +124,8 @@ def test_fast_model_equals_plain_model(threads, name, dtype, n_threads):
     residual), a batch of rows, prefill then decode steps: the fast model's logits equal the
     plain model's (the one tests/models/test_logits.py pins to transformers')."""
     threads(n_threads)
-    plain = load_model(MODELS / name, device="cpu", dtype=dtype, fast=False)
-    quick = load_model(MODELS / name, device="cpu", dtype=dtype)
+    plain = load_model(MODELS / name, device=CPU_ONLY, dtype=dtype, fast=False)
+    quick = load_model(MODELS / name, device=CPU_ONLY, dtype=dtype)
     assert not any(isinstance(m, FastLinear) for m in plain.modules())
     assert any(isinstance(m, FastLinear) for m in quick.modules())
     ids = load_file(str(MODELS / name / "expected.safetensors"))["input_ids"]
@@ -134,7 +136,7 @@ def test_fast_model_equals_plain_model(threads, name, dtype, n_threads):
 def test_plain_model_has_checkpoint_layout_and_plain_modules():
     """fast=False: the modules of minikv/models with the checkpoint's row-major weights;
     the speed layer, applied afterwards, swaps the linears and keeps ties and state_dict."""
-    model = load_model(MODELS / "llama_gqa3", device="cpu", dtype=torch.float32, fast=False)
+    model = load_model(MODELS / "llama_gqa3", device=CPU_ONLY, dtype=torch.float32, fast=False)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m) in (torch.nn.Linear, StackedLinear) for m in linears)
     assert all(p.is_contiguous() for p in model.parameters())
@@ -149,7 +151,7 @@ def test_plain_model_has_checkpoint_layout_and_plain_modules():
 
 def test_compile_needs_the_speed_layer():
     with pytest.raises(ValueError, match="compile=True needs the speed layer"):
-        load_model(MODELS / "llama_gqa3", device="cpu", compile=True, fast=False)
+        load_model(MODELS / "llama_gqa3", device=CPU_ONLY, compile=True, fast=False)
 
 
 def test_models_hold_no_speed_machinery():
@@ -161,10 +163,10 @@ def test_models_hold_no_speed_machinery():
 
 
 def test_float32_cpu_matrices_are_stored_column_major():
-    loaded = load_model(MODELS / "llama_gqa3", device="cpu", dtype=torch.float32)
+    loaded = load_model(MODELS / "llama_gqa3", device=CPU_ONLY, dtype=torch.float32)
     linears = [m for m in loaded.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(m.weight.t().is_contiguous() for m in linears)
-    half = load_model(MODELS / "llama_gqa3", device="cpu", dtype=torch.bfloat16)
+    half = load_model(MODELS / "llama_gqa3", device=CPU_ONLY, dtype=torch.bfloat16)
     assert all(m.weight.is_contiguous() for m in half.modules() if isinstance(m, torch.nn.Linear))
     w = torch.randn(5, 3)
     col = matvec_layout(w)
@@ -173,7 +175,7 @@ def test_float32_cpu_matrices_are_stored_column_major():
 
 
 def test_cpu_parameters_are_loaded_into_huge_pages():
-    model = load_model(MODELS / "llama_gqa3", device="cpu", dtype=torch.float32)
+    model = load_model(MODELS / "llama_gqa3", device=CPU_ONLY, dtype=torch.float32)
     assert model.cfg.tie_word_embeddings
     ptrs = sorted(p.data_ptr() for p in model.parameters())
     # one mapping for all: the parameters lie within a span not much larger than their bytes

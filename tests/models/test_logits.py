@@ -1,7 +1,8 @@
 """Logits equal those Hugging Face transformers computed (reference/models, made by
 reference/make_models.py): the random checkpoints of all four families to 1e-4 in float32, the
 real SmolLM2 to 1e-3, and bfloat16 within a stated tolerance. The plain model (fast=False) is
-pinned here; tests/models/test_fast.py holds the speed layer to it."""
+pinned here; tests/models/test_fast.py holds the speed layer to it. The models run on the test
+device; their logits come back to the CPU, beside transformers' (computed there)."""
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,8 @@ from safetensors.torch import load_file
 
 from minikv.loading import load_model
 from minikv.policies import make
+
+from ..fixtures import CPU_ONLY, DEVICE
 
 MODELS = Path(__file__).resolve().parents[2] / "reference" / "models"
 RANDOM = sorted(p.name for p in MODELS.iterdir() if p.name != "smollm2" and (p / "config.json").exists())
@@ -27,8 +30,8 @@ def expected(name):
 @pytest.mark.parametrize("name", RANDOM)
 def test_random_checkpoint_logits_float32(name):
     ref = expected(name)
-    model = load_model(MODELS / name, device="cpu", dtype=torch.float32, fast=False)
-    logits = model(ref["input_ids"])
+    model = load_model(MODELS / name, device=DEVICE, dtype=torch.float32, fast=False)
+    logits = model(ref["input_ids"].to(DEVICE)).cpu()
     assert logits.shape == ref["logits"].shape
     assert (logits - ref["logits"]).abs().max().item() <= 1e-4
 
@@ -36,7 +39,9 @@ def test_random_checkpoint_logits_float32(name):
 @pytest.mark.parametrize("name", RANDOM)
 def test_random_checkpoint_logits_bfloat16(name):
     ref = expected(name)
-    model = load_model(MODELS / name, device="cpu", dtype=torch.bfloat16, fast=False)
+    # CPU_ONLY: BF16_ATOL is the distance between two bfloat16 runs on the CPU (transformers'
+    # and ours, their own op orders); a GPU's bfloat16 products round at other points
+    model = load_model(MODELS / name, device=CPU_ONLY, dtype=torch.bfloat16, fast=False)
     logits = model(ref["input_ids"])
     assert logits.dtype == torch.float32  # logits always come back in float32
     assert (logits - ref["logits_bf16"]).abs().max().item() <= BF16_ATOL
@@ -48,22 +53,22 @@ def test_full_cache_decode_equals_one_forward(name):
     """Prefill 7 tokens, decode the rest one by one through the full cache: the logits of every
     step equal the full forward's (covers the sliding window and partial rotary paths)."""
     ref = expected(name)
-    model = load_model(MODELS / name, device="cpu", dtype=torch.float32, fast=False)
-    ids = ref["input_ids"]
+    model = load_model(MODELS / name, device=DEVICE, dtype=torch.float32, fast=False)
+    ids = ref["input_ids"].to(DEVICE)
     B, T = ids.shape
-    policy = make("full").bind(model.cfg, device="cpu", dtype=torch.float32, max_len=T, batch_size=B)
+    policy = make("full").bind(model.cfg, device=DEVICE, dtype=torch.float32, max_len=T, batch_size=B)
     steps = [model(ids[:, :7], policy=policy)]
     for t in range(7, T):
-        pos = torch.full((B, 1), t)
+        pos = torch.full((B, 1), t, device=DEVICE)
         steps.append(model(ids[:, t : t + 1], positions=pos, policy=policy))
-    got = torch.cat(steps, dim=1)
+    got = torch.cat(steps, dim=1).cpu()
     assert (got - ref["logits"]).abs().max().item() <= 1e-4
 
 
 def test_smollm2_logits(smollm2):
     model, _ = smollm2
     ref = expected("smollm2")
-    logits = model(ref["input_ids"])
+    logits = model(ref["input_ids"].to(DEVICE)).cpu()
     want = ref["logits"]
     if "positions" in ref:
         logits = logits[:, ref["positions"]]

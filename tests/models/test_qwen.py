@@ -14,6 +14,8 @@ from safetensors.torch import load_file
 from minikv import packaged
 from minikv.packaged import QWEN25_CODER, ChunkedGGUF, assemble
 
+from ..fixtures import DEVICE
+
 REF = Path(__file__).resolve().parents[2] / "reference" / "models" / "qwen25_coder"
 
 
@@ -31,7 +33,7 @@ needs_qwen = pytest.mark.skipif(not _have_extra(), reason='the qwen extra is not
 def qwen():
     import minikv
 
-    return minikv.load("qwen2.5-coder-0.5b", device="cpu", dtype=torch.float32, progress=False)
+    return minikv.load("qwen2.5-coder-0.5b", device=DEVICE, dtype=torch.float32, progress=False)
 
 
 def fake_chunks(tmp_path, monkeypatch, parts: list[bytes], version="0.9.0"):
@@ -112,7 +114,7 @@ def test_logits_match_transformers_on_a_long_prompt(qwen):
     model, _ = qwen
     ref = load_file(str(REF / "expected.safetensors"))
     with torch.no_grad():
-        logits = model(ref["input_ids"])[0]  # (T, V)
+        logits = model(ref["input_ids"].to(DEVICE))[0].cpu()  # (T, V), beside transformers' (CPU)
     at = logits[ref["positions"]]
     assert (at.gather(-1, ref["top_ids"]) - ref["top_values"]).abs().max().item() <= 1e-3
     assert (at.logsumexp(-1) - ref["logsumexp"]).abs().max().item() <= 1e-3
