@@ -9,6 +9,8 @@ import torch
 import minikv
 from minikv.generate import check_sampling, sample
 
+from .fixtures import CPU_ONLY
+
 # -- sampling, no model ------------------------------------------------------------------------
 
 
@@ -132,7 +134,8 @@ def test_token_ids_outside_the_vocabulary_are_a_clean_error(reference_dir):
     lookup out of range is an IndexError on a CPU and a device assert on CUDA."""
     from minikv.loading import load_model
 
-    model = load_model(reference_dir / "models" / "llama_gqa3", device="cpu", dtype=torch.float32)
+    # CPU_ONLY: the checks before the lookup, on the device where it would be an IndexError
+    model = load_model(reference_dir / "models" / "llama_gqa3", device=CPU_ONLY, dtype=torch.float32)
     V = model.cfg.vocab_size
     for ids in ([1, 2, V], [-1, 3]):
         with pytest.raises(ValueError, match=f"outside the model's vocabulary of {V}"):

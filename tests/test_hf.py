@@ -30,7 +30,7 @@ def test_core_never_imports_transformers():
         "from minikv.loading import load_model\n"
         "model = load_model('reference/models/llama_gqa3', dtype=torch.float32)\n"
         "policy = minikv.make_policy('streaming:sink=2,window=6,R=2,slack=0,max_drop=0')\n"
-        "policy.bind(model.cfg, device='cpu', dtype=torch.float32, max_len=24)\n"
+        "policy.bind(model.cfg, device='cpu', dtype=torch.float32, max_len=24)\n"  # CPU_ONLY: imports are the test
         "model(torch.arange(16)[None] % 90, policy=policy)\n"
         "for t in range(16, 24):\n"
         "    model(torch.tensor([[t]]), positions=torch.tensor([[t]]), policy=policy)\n"

@@ -25,6 +25,7 @@ from minikv.generate.__main__ import main as generate_main
 from minikv.models import build_model
 from minikv.tokenizer import Tokenizer, byte_to_unicode, load_tokenizer, save_tokenizer_files, tokenizer_from_gguf
 
+from .fixtures import CPU_ONLY
 from .test_loading import TINY, write_checkpoint
 
 HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 16, 4, 2, 24, 2
@@ -213,7 +214,7 @@ def test_conversion_streams_and_equals_the_tensors(tmp_path, cache):
     got = load_file(str(out / "model.safetensors"))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert peak < total / 2, (peak, total)
-    assert loading.load_model(out, device="cpu").cfg.n_layers == 12
+    assert loading.load_model(out, device=CPU_ONLY).cfg.n_layers == 12  # CPU_ONLY: the loader reading files
 
 
 def test_file_replaced_in_place_is_imported_again(tmp_path, cache):
@@ -416,7 +417,7 @@ def test_fuzz_safetensors_header(tmp_path_factory, fuzz_model, data):
     for offset, value in data.draw(edits):
         blob[offset:offset + len(value)] = value
     (d / "model.safetensors").write_bytes(bytes(blob[:data.draw(cut)]))
-    err = bounded(lambda: loading.load_model(d, device="cpu"), len(blob))
+    err = bounded(lambda: loading.load_model(d, device=CPU_ONLY), len(blob))  # CPU_ONLY: the loader reading files
     assert err is None or "model.safetensors" in str(err), err
 
 

@@ -215,6 +215,7 @@ def test_bench_speed_runs_a_registered_backend(counted_backend, capsys):
     assert main(["--check", "speed", "--policy", "streaming:backend=counted"]) == 0
     with pytest.raises(ValueError, match="unknown kernel backend 'uncounted'"):
         main(["--check", "speed", "--policy", "streaming:backend=uncounted"])
+    # CPU_ONLY: the run's plumbing, whatever the test device
     assert main(["speed", "--threads", "1", "--prompt-lengths", "24", "--new-tokens", "3", "--repeats", "1",
                  "--warmup", "0", "--device", "cpu", "--policy", "full:backend=counted"]) == 0
     assert len(counted_backend) > 0 and "full:backend=counted" in capsys.readouterr().out
