@@ -8,6 +8,8 @@ from minikv.bench.recall_probe import RecallProbe, attended_mass, oracle_mass
 from minikv.config import ModelConfig
 from minikv.policies.base import LayerKV, Policy, dense_attention
 
+from ..fixtures import DEVICE
+
 
 class SinkWindowLayer(LayerKV):
     """Keeps every token, attends to the first `sink` and the last `window` of them; reports them."""
@@ -25,15 +27,15 @@ class SinkWindowLayer(LayerKV):
         self.k, self.v = torch.cat([self.k, k], 2), torch.cat([self.v, v], 2)
         n, p = self.k.shape[2], self.policy
         self.read = sorted(set(range(min(p.sink, n))) | set(range(max(0, n - p.window), n)))
-        idx = torch.tensor(self.read)
+        idx = torch.tensor(self.read, device=self.k.device)
         return dense_attention(q, self.k[:, :, idx], self.v[:, :, idx], q_pos=positions,
                                k_pos=idx[None].expand(q.shape[0], -1))
 
     def attended_indices(self):
-        idx = torch.tensor(self.read, dtype=torch.int64)
+        idx = torch.tensor(self.read, dtype=torch.int64, device=self.k.device)
         # pad one KV head's row with -1 (and repeat an index) to check both are ignored
         rows = idx[None].repeat(self.cfg.n_kv_heads, 1)
-        return torch.cat([rows, torch.full((rows.shape[0], 2), -1), rows[:, :1]], dim=1)
+        return torch.cat([rows, torch.full((rows.shape[0], 2), -1, device=rows.device), rows[:, :1]], dim=1)
 
     def device_tokens(self):
         return len(self.read or [])
@@ -59,16 +61,18 @@ def tiny_cfg(n_layers=2, n_heads=6, n_kv=2, head_dim=8) -> ModelConfig:
 
 
 def run_layer(probe_policy, q_fn, T=7, steps=5, n_kv=2, n_heads=6, D=8, seed=0):
-    """Prefill T random tokens into layer 0, then `steps` decode steps; returns all q and k."""
+    """Prefill T random tokens into layer 0, then `steps` decode steps; returns all q and k (drawn
+    on the CPU, so that the hand-computed sums read them; the layer gets test-device copies)."""
     g = torch.Generator().manual_seed(seed)
     layer = probe_policy.layer(0)
     ks = torch.randn(1, n_kv, T + steps, D, generator=g)
     vs = torch.randn(1, n_kv, T + steps, D, generator=g)
     qs = [q_fn(g) for _ in range(steps)]
-    layer.prefill(torch.randn(1, n_heads, T, D, generator=g), ks[:, :, :T], vs[:, :, :T], torch.arange(T)[None])
+    q0, k, v = (x.to(DEVICE) for x in (torch.randn(1, n_heads, T, D, generator=g), ks, vs))
+    layer.prefill(q0, k[:, :, :T], v[:, :, :T], torch.arange(T, device=DEVICE)[None])
     for s in range(steps):
         t = T + s
-        layer.decode(qs[s], ks[:, :, t:t + 1], vs[:, :, t:t + 1], torch.tensor([[t]]))
+        layer.decode(qs[s].to(DEVICE), k[:, :, t:t + 1], v[:, :, t:t + 1], torch.tensor([[t]], device=DEVICE))
     return qs, ks
 
 
@@ -76,7 +80,7 @@ def test_uniform_attention_gives_the_share_of_tokens_read():
     # q = 0: full attention is uniform over the n tokens, so recall is |read| / n exactly
     policy = SinkWindow(sink=2, window=3)
     probe = RecallProbe(policy)
-    policy.bind(tiny_cfg(n_layers=1), device="cpu", dtype=torch.float32, max_len=16)
+    policy.bind(tiny_cfg(n_layers=1), device=DEVICE, dtype=torch.float32, max_len=16)
     run_layer(policy, lambda g: torch.zeros(1, 6, 1, 8), T=7, steps=5)
     # steps see n = 8 .. 12 tokens, of which 5 are read
     expected = sum(5 / n for n in range(8, 13)) / 5
@@ -87,7 +91,7 @@ def test_uniform_attention_gives_the_share_of_tokens_read():
 def test_recall_equals_a_hand_computed_sum():
     policy = SinkWindow(sink=1, window=2)
     probe = RecallProbe(policy)
-    policy.bind(tiny_cfg(n_layers=1), device="cpu", dtype=torch.float32, max_len=16)
+    policy.bind(tiny_cfg(n_layers=1), device=DEVICE, dtype=torch.float32, max_len=16)
     qs, ks = run_layer(policy, lambda g: 3 * torch.randn(1, 6, 1, 8, generator=g), T=6, steps=4)
     per_step = []
     for s, q in enumerate(qs):
@@ -110,7 +114,7 @@ def test_oracle_is_the_best_selection_and_bounds_the_policy():
     assert oracle_mass(p, 2, [1, 2, 4, 9]) == pytest.approx([0.35, 0.65, 1.0, 1.0])
     policy = SinkWindow(sink=1, window=2)
     probe = RecallProbe(policy, oracle_budgets=[3, 64])
-    policy.bind(tiny_cfg(n_layers=1), device="cpu", dtype=torch.float32, max_len=16)
+    policy.bind(tiny_cfg(n_layers=1), device=DEVICE, dtype=torch.float32, max_len=16)
     run_layer(policy, lambda g: 3 * torch.randn(1, 6, 1, 8, generator=g), T=6, steps=4)
     assert probe.oracle[64] == pytest.approx(1.0)
     assert probe.recall <= probe.oracle[3] + 1e-6  # the policy reads 3 tokens: the oracle of 3 bounds it

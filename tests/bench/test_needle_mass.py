@@ -6,6 +6,7 @@ import torch
 from minikv.bench.needle_mass import NeedleProbe, best_rank, needle_mass, needle_pages, rank_table
 from minikv.policies import make
 
+from ..fixtures import DEVICE
 from .test_attention_recall import tiny_cfg
 
 
@@ -39,7 +40,7 @@ def drive_freekv(decoy: bool, steps: int = 3):
     g = torch.Generator().manual_seed(0)
     policy = make("freekv:page_size=4,sink=4,window=4,budget=16,speculative=false")
     probe = NeedleProbe(policy, (12, 16))
-    policy.bind(tiny_cfg(n_layers=1), device="cpu", dtype=torch.float32, max_len=64)
+    policy.bind(tiny_cfg(n_layers=1), device=DEVICE, dtype=torch.float32, max_len=64)
     layer = policy.layer(0)
     T, D = 40, 8
     k = 0.1 * torch.randn(1, 2, T + steps, D, generator=g)
@@ -49,9 +50,10 @@ def drive_freekv(decoy: bool, steps: int = 3):
     v = torch.randn(1, 2, T + steps, D, generator=g)
     q = torch.zeros(1, 6, 1, D)
     q[0, 1, 0, 0] = 4.0
-    layer.prefill(q.expand(1, 6, T, D), k[:, :, :T], v[:, :, :T], torch.arange(T)[None])
+    qd, kd, vd = q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)  # the layer's copies; the oracle below reads k
+    layer.prefill(qd.expand(1, 6, T, D), kd[:, :, :T], vd[:, :, :T], torch.arange(T, device=DEVICE)[None])
     for t in range(T, T + steps):
-        layer.decode(q, k[:, :, t:t + 1], v[:, :, t:t + 1], torch.tensor([[t]]))
+        layer.decode(qd, kd[:, :, t:t + 1], vd[:, :, t:t + 1], torch.tensor([[t]], device=DEVICE))
     expected = torch.softmax(k[0, 0, :, 0] * 4.0 / D ** 0.5, dim=0)  # head 1 over all T + steps tokens
     return probe.records, expected[12:16].sum().item()
 

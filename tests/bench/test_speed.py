@@ -9,6 +9,8 @@ import torch
 
 from minikv.bench import speed as bench
 
+from ..fixtures import DEVICE
+
 
 def test_policies_alternate_and_rows_report_each_policy(smollm2, tmp_path, monkeypatch):
     model, tok = smollm2
@@ -59,7 +61,7 @@ def test_weight_bytes_count_an_untied_embedding_as_one_row(reference_dir, name):
     from minikv.generate import weight_bytes_per_step
     from minikv.loading import load_model
 
-    model = load_model(reference_dir / "models" / name, device="cpu", dtype=torch.bfloat16)
+    model = load_model(reference_dir / "models" / name, device=DEVICE, dtype=torch.bfloat16)
     every = sum(p.numel() * 2 for p in model.parameters())
     embedding = model.embed.weight
     if model.cfg.tie_word_embeddings:
