@@ -125,7 +125,7 @@ def window_starts_from_rows(forest, S: torch.Tensor, twice_pq: torch.Tensor, lay
     where it does not open the node (and for the empty rows' node)."""
     B, G = twice_pq.shape[:2]
 
-    def score(lay, lo):  # the level's scores in layout order, what a query skips -inf
+    def score(i, lay, lo):  # the level's scores in layout order, what a query skips -inf
         n_l = lay.order.shape[1]
         s = S.gather(2, lay.col[:, None].expand(B, G, n_l))
         return s.masked_fill_(~in_window(lay.pos_info[:, None], lo), float("-inf"))

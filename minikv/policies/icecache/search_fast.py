@@ -181,8 +181,8 @@ def in_window(info: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
 
 def descend(forest, twice_pq: torch.Tensor, layouts: list[LevelLayout], fov: int, score):
     """Algorithm 4's levels, batched: twice_pq (B, G, 1) twice each query's u.T_Q(q); layouts of
-    levels top .. 1 (the blocks' heads); score(lay, lo) -> (B, G, n_l) the level's q.k in layout
-    order, -inf where a query does not visit. Yields per level (lay, lo, scores): lo (B, G, N)
+    levels top .. 1 (the blocks' heads); score(i, lay, lo) -> (B, G, n_l) the q.k of level i (of
+    layouts) in layout order, -inf where a query does not visit. Yields per level (lay, lo, scores): lo (B, G, N)
     each query's window start in each node, NOT_OPENED where it does not open the node; scores
     where the descent needed them to choose the fov best (else None). Counts forest.scored."""
     B, G = twice_pq.shape[:2]
@@ -206,7 +206,7 @@ def descend(forest, twice_pq: torch.Tensor, layouts: list[LevelLayout], fov: int
             yield lay, lo, None  # the last level, or the field of view covers it: nothing to rank
             expanded = None
             continue
-        scores = score(lay, lo)
+        scores = score(i, lay, lo)
         yield lay, lo, scores
         # the fov best it scored (ties to the lower layout position) are expanded on the next level
         top = scores.sort(dim=2, descending=True, stable=True)
@@ -255,9 +255,9 @@ def search(fs: FastSearch, q: torch.Tensor, heads: torch.Tensor | None, fov: int
     heads, layouts, twice_pq = blocks(fs, q, heads, prop, fov, batch)
     qf = q.float()
     forest.searched += q.shape[0] * q.shape[1] * forest.n
-    score = lambda lay, lo: gathered_scores(fs, qf, heads, lay, lo)  # noqa: E731
-    levels = [(lay.order, score(lay, lo) if s is None else s)  # every level's scores, the last's too
-              for lay, lo, s in descend(forest, twice_pq, layouts, fov, score)]
+    score = lambda i, lay, lo: gathered_scores(fs, qf, heads, lay, lo)  # noqa: E731
+    levels = [(lay.order, score(i, lay, lo) if s is None else s)  # every level's scores, the last's too
+              for i, (lay, lo, s) in enumerate(descend(forest, twice_pq, layouts, fov, score))]
     return torch.cat([ids for ids, _ in levels], 1), torch.cat([s for _, s in levels], 2)
 
 
@@ -283,10 +283,10 @@ def select_pages(fs: FastSearch, q: torch.Tensor, heads: torch.Tensor | None, k:
     heads, layouts, twice_pq = blocks(fs, q, heads, prop, fov, batch)
     qf = q.float()
     forest.searched += B * G * forest.n
-    score = lambda lay, lo: gathered_scores(fs, qf, heads, lay, lo)  # noqa: E731
+    score = lambda i, lay, lo: gathered_scores(fs, qf, heads, lay, lo)  # noqa: E731
     best = torch.full((B, G, forest.max_pages + 1), float("-inf"))  # per page, its best scored key
-    for lay, lo, scores in descend(forest, twice_pq, layouts, fov, score):
-        scores = score(lay, lo) if scores is None else scores
+    for i, (lay, lo, scores) in enumerate(descend(forest, twice_pq, layouts, fov, score)):
+        scores = score(i, lay, lo) if scores is None else scores
         best.scatter_reduce_(2, lay.page[:, None].expand(B, G, -1), scores, "amax")
     k_eff = min(k, forest.max_pages)
     top = stable_topk(best[..., :forest.max_pages], k_eff)
