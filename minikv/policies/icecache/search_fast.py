@@ -179,6 +179,15 @@ def in_window(info: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     return (d >= 0) & (d < m)
 
 
+def visited(lay: LevelLayout, lo: torch.Tensor) -> torch.Tensor:
+    """lo (B, G, N) window starts on level lay -> (B, G, n_l) bool: the query scores the point
+    (in_window). On a level whose nodes are all read whole (lay.whole) that is whether the
+    point's node is opened: one gather instead of the window test."""
+    if lay.whole:
+        return (lo != NOT_OPENED).gather(2, lay.node_of[:, None].expand(*lo.shape[:2], -1))
+    return in_window(lay.pos_info[:, None], lo)
+
+
 def descend(forest, twice_pq: torch.Tensor, layouts: list[LevelLayout], fov: int, score):
     """Algorithm 4's levels, batched: twice_pq (B, G, 1) twice each query's u.T_Q(q); layouts of
     levels top .. 1 (the blocks' heads); score(i, lay, lo) -> (B, G, n_l) the q.k of level i (of
@@ -200,7 +209,7 @@ def descend(forest, twice_pq: torch.Tensor, layouts: list[LevelLayout], fov: int
                 forest.scored += G * int(lay.m.sum())
             else:  # only the children of the points expanded on the level above
                 opened = expanded.gather(2, lay.up[:, None].expand(B, G, N))
-                lo = lo.masked_fill_(~opened, NOT_OPENED)
+                lo = torch.where(opened, lo, NOT_OPENED)
                 forest.scored += int((opened * lay.m[:, None]).sum())
         if i == len(layouts) - 1 or (every_point and fov >= n_l):
             yield lay, lo, None  # the last level, or the field of view covers it: nothing to rank
@@ -221,7 +230,7 @@ def gathered_scores(fs: FastSearch, qf: torch.Tensor, heads: torch.Tensor, lay: 
     the block (kernels/dci_scores) -> (B, G, n_l) q.k in layout order, -inf where not visited."""
     B, G = qf.shape[:2]
     n_l = lay.order.shape[1]
-    visit = in_window(lay.pos_info[:, None], lo)  # (B, G, n_l)
+    visit = visited(lay, lo)  # (B, G, n_l)
     union = visit.any(dim=1)  # (B, n_l)
     dest = union.cumsum(1) - 1
     C = int(dest[:, -1].max()) + 1
