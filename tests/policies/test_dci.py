@@ -281,7 +281,8 @@ def test_page_choice_fallback_and_visited_equal_the_reference(n, fov, prop, batc
     for a in range(n // 2, n + 37, 37):
         f.insert(keys[:, a - 37:min(a, n)]) if a > n // 2 else None
         q = draw(2, 3, 8)
-        assert torch.equal(ps.select_pages(q, heads, k, fov, prop, batch, 1), reference_pages(f, q, heads, k, fov, prop, batch))
+        reference = reference_pages(f, q, heads, k, fov, prop, batch)
+        assert torch.equal(ps.select_pages(q, heads, k, fov, prop, batch, 1), reference)
         layouts = [lay.select(heads) for lay in ps.layouts(prop, fov, batch)]
         S = torch.bmm(q, f.slot_keys[heads].transpose(1, 2))
 
