@@ -13,7 +13,7 @@ them eager beside a GPU), so these tests build their keys on the CPU whatever th
 import math
 
 import torch
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from minikv.kernels.dci_scores.reference import float_order
@@ -249,6 +249,55 @@ def test_layouts_merged_after_inserts_equal_a_fresh_build(n, chunk, ties, seed):
             assert kept.whole == fresh.whole
             for name, x, y in zip(kept._fields, kept[:-1], fresh[:-1]):
                 assert torch.equal(x, y), name
+
+
+@settings(max_examples=20)
+@given(lists=st.lists(st.lists(st.integers(-1, 9), max_size=8), min_size=1, max_size=5), k=st.integers(1, 12))
+def test_merge_group_equals_the_round_robin_loop(lists, k):
+    """merge_group (the rounds through dict.fromkeys, first occurrence kept) equals the loop over
+    rounds and heads that appends each page not yet merged, ragged lists and -1 pads included."""
+    merged = []
+    for j in range(max(map(len, lists))):
+        for pages in lists:
+            if j < len(pages) and pages[j] >= 0 and pages[j] not in merged:
+                merged.append(pages[j])
+    assert merge_group(lists, k) == merged[:k] + [-1] * (k - len(merged[:k]))
+
+
+@settings(max_examples=15)
+@given(n=st.integers(20, 400), fov=st.sampled_from([1, 2, 3]), prop=st.sampled_from([0.5, 0.8]),
+       batch=st.sampled_from([1, 4, 128]), k=st.sampled_from([2, 5, 12]), ties=st.booleans(),
+       seed=st.integers(0, 1000), policy_heads=st.booleans())
+def test_page_choice_fallback_and_visited_equal_the_reference(n, fov, prop, batch, k, ties, seed, policy_heads):
+    """One candidate per selected page and a small field of view make the candidate bound fail
+    often; the fallback then computes every page of the nodes each query opened, and the pages
+    are still search.py's, ties included (after the build and after every insert). On every level
+    of the descent, search_fast.visited (one gather where the level's nodes are read whole) marks
+    exactly the points the window test in_window marks."""
+    g = torch.Generator().manual_seed(seed)
+    draw = (lambda *shape: torch.randint(-2, 3, shape, generator=g).float()) if ties else \
+        (lambda *shape: torch.randn(*shape, generator=g))
+    keys = draw(2, n, 8)
+    f = forest_of(keys, P=4, first=7, nxt=3, seed=seed)
+    heads = torch.tensor([0, 1]) if policy_heads else torch.tensor([1, 0])
+    ps = pages_fast.PageSearch(f)
+    f.build(keys[:, :n // 2])
+    for a in range(n // 2, n + 37, 37):
+        f.insert(keys[:, a - 37:min(a, n)]) if a > n // 2 else None
+        q = draw(2, 3, 8)
+        reference = reference_pages(f, q, heads, k, fov, prop, batch)
+        assert torch.equal(ps.select_pages(q, heads, k, fov, prop, batch, 1), reference)
+        layouts = [lay.select(heads) for lay in ps.layouts(prop, fov, batch)]
+        S = torch.bmm(q, f.slot_keys[heads].transpose(1, 2))
+
+        def score(i, lay, lo):
+            s = S.gather(2, lay.col[:, None].expand(2, 3, -1))
+            return s.masked_fill(~search_fast.in_window(lay.pos_info[:, None], lo), float("-inf"))
+
+        twice_pq = 2 * f.query_projection(q.reshape(6, 8)).view(2, 3, 1)
+        for lay, lo, _ in search_fast.descend(f, twice_pq, layouts, fov, score):
+            assert torch.equal(search_fast.visited(lay, lo), search_fast.in_window(lay.pos_info[:, None], lo))
+    event(f"candidate bound failed: {ps.exhaustive_choices > 0}")
 
 
 def test_page_choice_when_the_candidate_bound_fails():

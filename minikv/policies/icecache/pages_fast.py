@@ -13,8 +13,10 @@ pages (tests/policies/test_dci.py) from the index's rows, stored page by page
      layout positions it scores, [lo, lo + m), or none (a node not opened).
   3. Upper bound: the max of a page's P scores, visited or not, is at least its visited max. The
      C = 3k pages of largest bound are candidates; their visited max is exact (a row is visited
-     iff lo <= its layout position < lo + m). If the k-th best exact value beats the best bound
-     outside the candidates, no other page can enter; otherwise every page is computed.
+     iff lo <= its layout position < lo + m; a page's keys share one parent, so lo and m are
+     the page's, and only the positions are gathered per row). If the k-th best exact value
+     beats the best bound outside the candidates, no other page can enter; otherwise every page
+     of a node the query opened is computed (the others hold no key it scored).
 
 So each row is touched once in the product and once in a max over P adjacent scores; per-point
 work (gathers, masks) only for 3k pages. PageSearch keeps, beside search_fast.FastSearch's
@@ -26,22 +28,25 @@ from typing import NamedTuple
 
 import torch
 
-from .search_fast import NOT_OPENED, FastSearch, LevelLayout, descend, in_window
+from .search_fast import NOT_OPENED, FastSearch, LevelLayout, descend, visited
 
 CANDIDATE_PAGES = 3  # candidate pages per selected page (C = 3 k)
 
 
 class SlotMap(NamedTuple):
     """Per key row (H, rows), rows = the most pages of any head x P, for one set of search
-    parameters: what the visited test of a row needs, kept until a layout changes."""
-    info: torch.Tensor  # (H, 3, rows) int64: the row's node (numbered across levels from the top;
-    #                     n_nodes for an empty row), its position in its level's layout, and its
-    #                     node's window size m (LevelLayout.m)
+    parameters: what the visited test of a row needs, kept until a layout changes. A page's keys
+    share one parent, so the node and its window size are the page's; only the position is the
+    row's."""
+    pos: torch.Tensor  # (H, rows) int64: the row's position in its level's layout (0 if empty)
+    page_node: torch.Tensor  # (H, 2, rows / P) int64: each page's node (numbered across levels
+    #                          from the top; n_nodes for a page that holds no key), and that
+    #                          node's window size m (LevelLayout.m; 0 for none)
     empty_bias: torch.Tensor  # (H, 1, rows) float32: -inf for a slot that holds no key, else 0
     n_nodes: int
 
     def select(self, heads: torch.Tensor) -> "SlotMap":
-        return SlotMap(self.info.index_select(0, heads), self.empty_bias.index_select(0, heads), self.n_nodes)
+        return SlotMap(*(t.index_select(0, heads) for t in self[:-1]), self.n_nodes)
 
 
 class PageSearch(FastSearch):
@@ -93,9 +98,9 @@ def build_slot_map(forest, layouts) -> SlotMap:
     """layouts: the LevelLayouts of levels top .. 1 -> SlotMap."""
     H, P = forest.H, forest.P
     rows = max(forest.n_pages) * P
-    info = torch.zeros(H, 3, rows, dtype=torch.int64)
-    node, pos, m = info.unbind(1)
-    node.fill_(-1)
+    node = torch.full((H, rows), -1, dtype=torch.int64)
+    pos = torch.zeros(H, rows, dtype=torch.int64)
+    m = torch.zeros(H, rows, dtype=torch.int64)
     offset = 0
     for lay in layouts:
         n_l = lay.order.shape[1]
@@ -105,7 +110,8 @@ def build_slot_map(forest, layouts) -> SlotMap:
         offset += lay.start.shape[1]
     empty = node < 0
     node[empty] = offset
-    return SlotMap(info, torch.zeros(H, 1, rows).masked_fill_(empty[:, None], float("-inf")), offset)
+    page_node = torch.stack((node[:, ::P], m[:, ::P]), 1)  # slot 0 of every page holds a key
+    return SlotMap(pos, page_node, torch.zeros(H, 1, rows).masked_fill_(empty[:, None], float("-inf")), offset)
 
 
 def product_with_every_row(forest, qf: torch.Tensor, heads: torch.Tensor, same_heads: bool,
@@ -125,10 +131,10 @@ def window_starts_from_rows(forest, S: torch.Tensor, twice_pq: torch.Tensor, lay
     where it does not open the node (and for the empty rows' node)."""
     B, G = twice_pq.shape[:2]
 
-    def score(lay, lo):  # the level's scores in layout order, what a query skips -inf
+    def score(i, lay, lo):  # the level's scores in layout order, what a query skips -inf
         n_l = lay.order.shape[1]
         s = S.gather(2, lay.col[:, None].expand(B, G, n_l))
-        return s.masked_fill_(~in_window(lay.pos_info[:, None], lo), float("-inf"))
+        return s.masked_fill_(~visited(lay, lo), float("-inf"))
 
     starts = [lo for _, lo, _ in descend(forest, twice_pq, layouts, fov, score)]
     return torch.cat(starts + [torch.full((B, G, 1), NOT_OPENED)], 2)
@@ -136,12 +142,18 @@ def window_starts_from_rows(forest, S: torch.Tensor, twice_pq: torch.Tensor, lay
 
 def visited_page_max(S: torch.Tensor, lo: torch.Tensor, sm: SlotMap, pages: torch.Tensor, P: int) -> torch.Tensor:
     """S (B, G, rows), lo (B, G, n_nodes + 1), pages (B, G, C) -> (B, G, C) each page's max q.k
-    over the keys the query scored, -inf where none."""
+    over the keys the query scored, -inf where none: a row is scored iff lo <= its position <
+    lo + m, lo and m its page's node's (search_fast.in_window, per page)."""
     B, G, C = pages.shape
-    rows = (pages[..., None] * P + torch.arange(P)).view(B, G, 1, C * P)
-    info = sm.info[:, None].expand(B, G, 3, -1).gather(3, rows.expand(B, G, 3, C * P))  # (B, G, 3, C P)
-    scores = torch.where(in_window(info, lo), S.gather(2, rows.view(B, G, C * P)), float("-inf"))
-    return page_max(scores, P)
+    n_pages = sm.page_node.shape[2]
+    node, m = sm.page_node[:, None].expand(B, G, 2, n_pages).gather(3, pages[:, :, None].expand(B, G, 2, C)).unbind(2)
+    lo = lo.gather(2, node)[..., None]  # (B, G, C, 1)
+    # the pages' P rows: rows of (B n_pages, P) and (B G n_pages, P) views, one index_select each
+    pos = sm.pos.view(B * n_pages, P).index_select(0, (pages + torch.arange(B)[:, None, None] * n_pages).view(-1))
+    scores = S.view(B * G * n_pages, P).index_select(0, (pages + torch.arange(B * G).view(B, G, 1) * n_pages).view(-1))
+    d = pos.view(B, G, C, P) - lo
+    scored = (d >= 0) & (d < m[..., None])
+    return page_max(torch.where(scored, scores.view(B, G, C, P), float("-inf")).view(B, G, C * P), P)
 
 
 def page_max(scores: torch.Tensor, P: int) -> torch.Tensor:
@@ -180,8 +192,10 @@ def select_pages(ps: PageSearch, q: torch.Tensor, heads: torch.Tensor | None, k:
         if k <= C and bool(((outside < values[..., -1:]) | (outside == float("-inf"))).all()):
             return finish(pages, values, k)
         ps.exhaustive_choices += 1
-    every = torch.arange(n_pages).expand(B, G, n_pages)
-    return finish(*best_pages(visited_page_max(S, lo, sm, every, P), every, k), k)
+    # every page of a node the query opened (the others hold no key it scored), exactly
+    opened = lo.gather(2, sm.page_node[:, None, 0].expand(B, G, n_pages)) != NOT_OPENED  # (B, G, n_pages)
+    cand = bound.masked_fill_(~opened, float("-inf")).topk(int(opened.sum(2).max()), dim=2).indices.sort(dim=2).values
+    return finish(*best_pages(visited_page_max(S, lo, sm, cand, P), cand, k), k)
 
 
 def best_pages(values: torch.Tensor, pages: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

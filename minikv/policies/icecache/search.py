@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
+from itertools import chain, zip_longest
 
 import torch
 
@@ -96,12 +97,9 @@ def merge_group(lists: list[list[int]], k: int) -> list[int]:
     """GQA: the page lists of one group's query heads interleaved round-robin (round j takes
     every head's j-th page), the first k distinct kept, -1 padded: a KV head reads k pages, not
     G k (the authors' `first_k_unique`)."""
-    merged: list[int] = []
-    for j in range(max(map(len, lists), default=0)):
-        for pages in lists:
-            if j < len(pages) and pages[j] >= 0 and pages[j] not in merged:
-                merged.append(pages[j])
-    return merged[:k] + [-1] * (k - len(merged[:k]))
+    rounds = zip_longest(*lists, fillvalue=-1)  # round j: every head's j-th page
+    merged = [page for page in dict.fromkeys(chain.from_iterable(rounds)) if page >= 0][:k]  # first of each
+    return merged + [-1] * (k - len(merged))
 
 
 def page_select(tree, q: torch.Tensor, k: int, fov: int | None = None, prop: float = 0.8,

@@ -179,10 +179,19 @@ def in_window(info: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     return (d >= 0) & (d < m)
 
 
+def visited(lay: LevelLayout, lo: torch.Tensor) -> torch.Tensor:
+    """lo (B, G, N) window starts on level lay -> (B, G, n_l) bool: the query scores the point
+    (in_window). On a level whose nodes are all read whole (lay.whole) that is whether the
+    point's node is opened: one gather instead of the window test."""
+    if lay.whole:
+        return (lo != NOT_OPENED).gather(2, lay.node_of[:, None].expand(*lo.shape[:2], -1))
+    return in_window(lay.pos_info[:, None], lo)
+
+
 def descend(forest, twice_pq: torch.Tensor, layouts: list[LevelLayout], fov: int, score):
     """Algorithm 4's levels, batched: twice_pq (B, G, 1) twice each query's u.T_Q(q); layouts of
-    levels top .. 1 (the blocks' heads); score(lay, lo) -> (B, G, n_l) the level's q.k in layout
-    order, -inf where a query does not visit. Yields per level (lay, lo, scores): lo (B, G, N)
+    levels top .. 1 (the blocks' heads); score(i, lay, lo) -> (B, G, n_l) the q.k of level i (of
+    layouts) in layout order, -inf where a query does not visit. Yields per level (lay, lo, scores): lo (B, G, N)
     each query's window start in each node, NOT_OPENED where it does not open the node; scores
     where the descent needed them to choose the fov best (else None). Counts forest.scored."""
     B, G = twice_pq.shape[:2]
@@ -200,13 +209,13 @@ def descend(forest, twice_pq: torch.Tensor, layouts: list[LevelLayout], fov: int
                 forest.scored += G * int(lay.m.sum())
             else:  # only the children of the points expanded on the level above
                 opened = expanded.gather(2, lay.up[:, None].expand(B, G, N))
-                lo = lo.masked_fill_(~opened, NOT_OPENED)
+                lo = torch.where(opened, lo, NOT_OPENED)
                 forest.scored += int((opened * lay.m[:, None]).sum())
         if i == len(layouts) - 1 or (every_point and fov >= n_l):
             yield lay, lo, None  # the last level, or the field of view covers it: nothing to rank
             expanded = None
             continue
-        scores = score(lay, lo)
+        scores = score(i, lay, lo)
         yield lay, lo, scores
         # the fov best it scored (ties to the lower layout position) are expanded on the next level
         top = scores.sort(dim=2, descending=True, stable=True)
@@ -221,7 +230,7 @@ def gathered_scores(fs: FastSearch, qf: torch.Tensor, heads: torch.Tensor, lay: 
     the block (kernels/dci_scores) -> (B, G, n_l) q.k in layout order, -inf where not visited."""
     B, G = qf.shape[:2]
     n_l = lay.order.shape[1]
-    visit = in_window(lay.pos_info[:, None], lo)  # (B, G, n_l)
+    visit = visited(lay, lo)  # (B, G, n_l)
     union = visit.any(dim=1)  # (B, n_l)
     dest = union.cumsum(1) - 1
     C = int(dest[:, -1].max()) + 1
@@ -255,9 +264,9 @@ def search(fs: FastSearch, q: torch.Tensor, heads: torch.Tensor | None, fov: int
     heads, layouts, twice_pq = blocks(fs, q, heads, prop, fov, batch)
     qf = q.float()
     forest.searched += q.shape[0] * q.shape[1] * forest.n
-    score = lambda lay, lo: gathered_scores(fs, qf, heads, lay, lo)  # noqa: E731
-    levels = [(lay.order, score(lay, lo) if s is None else s)  # every level's scores, the last's too
-              for lay, lo, s in descend(forest, twice_pq, layouts, fov, score)]
+    score = lambda i, lay, lo: gathered_scores(fs, qf, heads, lay, lo)  # noqa: E731
+    levels = [(lay.order, score(i, lay, lo) if s is None else s)  # every level's scores, the last's too
+              for i, (lay, lo, s) in enumerate(descend(forest, twice_pq, layouts, fov, score))]
     return torch.cat([ids for ids, _ in levels], 1), torch.cat([s for _, s in levels], 2)
 
 
@@ -283,10 +292,10 @@ def select_pages(fs: FastSearch, q: torch.Tensor, heads: torch.Tensor | None, k:
     heads, layouts, twice_pq = blocks(fs, q, heads, prop, fov, batch)
     qf = q.float()
     forest.searched += B * G * forest.n
-    score = lambda lay, lo: gathered_scores(fs, qf, heads, lay, lo)  # noqa: E731
+    score = lambda i, lay, lo: gathered_scores(fs, qf, heads, lay, lo)  # noqa: E731
     best = torch.full((B, G, forest.max_pages + 1), float("-inf"))  # per page, its best scored key
-    for lay, lo, scores in descend(forest, twice_pq, layouts, fov, score):
-        scores = score(lay, lo) if scores is None else scores
+    for i, (lay, lo, scores) in enumerate(descend(forest, twice_pq, layouts, fov, score)):
+        scores = score(i, lay, lo) if scores is None else scores
         best.scatter_reduce_(2, lay.page[:, None].expand(B, G, -1), scores, "amax")
     k_eff = min(k, forest.max_pages)
     top = stable_topk(best[..., :forest.max_pages], k_eff)
