@@ -19,6 +19,9 @@ whose upper bound reaches the k-th largest page score: `must score` is that shar
 other page's score known exactly (the best any exact shortlist from this bound can do), for
 random keys and for the model's real keys: the post-RoPE q and k of --layers from one prefill of
 --tokens tokens of pydoc text (the pages of all but the last 32 keys, the last query).
+`bound - mass` is how far the bound lies above a page's mass, `mass spread` how far apart the
+pages' masses lie (max - min per query head), both averaged: the bound separates pages only
+where the first is small beside the second.
 """
 from __future__ import annotations
 
@@ -72,15 +75,21 @@ def cpu_ms(fn, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def must_score(q, lo, hi, codes, k: int, reduce: str) -> float:
-    """The share of pages whose Quest bound, every other page exact, reaches the k-th page score."""
+def page_bounds(q, lo, hi, codes):
+    """Each page's coded mass P_h[n] and its bound (1) U_h[n] + log(P) / s, float64 (Hkv, G, n)."""
     Hkv, n, D = lo.shape[1:]
     s = 1 / math.sqrt(D)
     qg = q.float().view(Hkv, -1, D)
-    mass = (coded_logits(qg, lo, hi, codes) * s).logsumexp(-1).double() / s  # (Hkv, G, n)
+    mass = (coded_logits(qg, lo, hi, codes) * s).logsumexp(-1).double() / s
     lo_t, hi_t = lo[0].double().transpose(1, 2), hi[0].double().transpose(1, 2)
     q64 = qg.double()
-    upper = torch.bmm(q64.clamp_min(0), hi_t) + torch.bmm(q64.clamp_max(0), lo_t) + math.log(P) / s  # (1)
+    return mass, torch.bmm(q64.clamp_min(0), hi_t) + torch.bmm(q64.clamp_max(0), lo_t) + math.log(P) / s
+
+
+def must_score(q, lo, hi, codes, k: int, reduce: str) -> float:
+    """The share of pages whose Quest bound, every other page exact, reaches the k-th page score."""
+    mass, upper = page_bounds(q, lo, hi, codes)
+    s = 1 / math.sqrt(lo.shape[-1])
     if reduce == "softmax_mean":
         top = (mass * s).amax(-1, keepdim=True)
         total = torch.exp(mass * s - top).sum(-1, keepdim=True)
@@ -91,6 +100,13 @@ def must_score(q, lo, hi, codes, k: int, reduce: str) -> float:
         score, bound = mass.amax(1), upper.amax(1)
     kth = score.sort(dim=-1, descending=True).values[:, k - 1:k]
     return float((bound >= kth - 1e-5 * kth.abs()).double().mean())  # the scores are float32: their rounding
+
+
+def looseness(q, lo, hi, codes) -> dict:
+    """How far the bound lies above a page's coded mass, and how far apart the pages' masses lie
+    (per query head, max - min over the pages), both averaged."""
+    mass, upper = page_bounds(q, lo, hi, codes)
+    return {"gap": float((upper - mass).mean()), "spread": float((mass.amax(-1) - mass.amin(-1)).mean())}
 
 
 # -- the other ways to score the codes: q . k^ (Hkv, G, n, P), as reference.coded_logits ---------
@@ -144,6 +160,7 @@ def run(args) -> int:
         select = cpu_ms(lambda: page_scores(q, lo, hi, valid, k, 1 / math.sqrt(D), "softmax_mean", codes), args.repeats)
         coded = cpu_ms(lambda: coded_logits(qg, lo, hi, codes), args.repeats)
         rows.append({"keys": "random", "tokens": length, "select_ms": select, "coded_share": coded / select,
+                     **looseness(q, lo, hi, codes),
                      "step_ms": select * L, **{r: must_score(q, lo, hi, codes, k, r) for r in GROUP_REDUCES}})
         print(f"  {length} tokens: {select:.2f} ms a select", file=sys.stderr, flush=True)
     forms = []
@@ -162,10 +179,12 @@ def run(args) -> int:
             pages = keys[:, :n * P].reshape(1, Hkv, n, P, D)
             lo, hi = pages.amin(3), pages.amax(3)
             q = q_all[None, :, -1]
-            rows.append({"keys": f"layer {i}", "tokens": args.tokens,
-                         **{r: must_score(q, lo, hi, pack_codes(pages, lo, hi), k, r) for r in GROUP_REDUCES}})
+            codes = pack_codes(pages, lo, hi)
+            rows.append({"keys": f"layer {i}", "tokens": args.tokens, **looseness(q, lo, hi, codes),
+                         **{r: must_score(q, lo, hi, codes, k, r) for r in GROUP_REDUCES}})
     print_table(rows, [("keys", "keys", ""), ("tokens", "tokens", "d"), ("select ms", "select_ms", ".2f"),
                        ("in coded_logits", "coded_share", ".0%"), (f"x {L} layers, ms", "step_ms", ".0f")]
+                + [("bound - mass", "gap", ".0f"), ("mass spread", "spread", ".0f")]
                 + [(f"must score, {r}", r, ".3f") for r in GROUP_REDUCES],
                 title=f"\nfreekv digest=quant2, {args.model}: {Hkv} KV heads x {G}, D {D}, K = {k} pages, CPU time")
     print_table(forms, [("scoring the codes", "form", ""), ("ms", "ms", ".2f"), ("bit-equal", "bit_equal", ""),
