@@ -22,9 +22,10 @@ paper's Eq. 2, threshold and first step; k = 2 and K = 32 are the defaults alrea
 timer that step (schedule.py). The prompt: the prefill forward generates the first token, so read
 literally it is Algorithm 1's first step, whose line 2 scores every prompt token with the last
 prompt position's query (judge_prompt=true, the preset's). The default leaves that judgement out
-and the first decode step judges first: counted, it puts the first freeze (c_j = k^2) on step
-k^2 - 1, the step before the answer's fifth token, and lost a passkey full KV finds (docs/
-softfreeze.md, "Table 2"). The score: score="raw" is Eq. 2 as it is and
+and the first decode step judges first: counted, it put the first freeze (c_j = k^2) on step
+k^2 - 1 = 3, so the step that chooses whether to write the key after "The pass key is" ran with
+part of the key frozen and lost a passkey full KV finds (docs/softfreeze.md, "Table 2"). The
+score: score="raw" is Eq. 2 as it is and
 score="relative" divides it by the mean s over the active tokens (Eq. 2 is unscaled: tau = 0.5
 never fires on SmolLM2). Both rank tokens nearly opposite to the attention on SmolLM2 (a key a
 head ignores has a large negative q.k, so a large |q.k|), so score="attention" (the default,
