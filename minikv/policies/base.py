@@ -135,6 +135,13 @@ class Policy(ABC):
     backend: str = param("eager")
     preset: str | None = param(None, choices=PRESETS)
 
+    def __new__(cls, *args, **kwargs):
+        # preset=paper with one of the paper's parameters given another value is refused however
+        # the policy is built (make's spec, or the class called): only the call's keywords tell
+        # a value given from one left at its default, which apply_preset replaces
+        preset_conflicts(cls, kwargs)
+        return super().__new__(cls)
+
     def __post_init__(self):
         apply_preset(self)
         check_fields(self)
@@ -336,5 +343,4 @@ def make(spec: "str | Policy", **overrides) -> Policy:
         if key not in known:
             raise ValueError(f"policy {name!r} has no parameter {key!r}; parameters: {', '.join(known)}")
     kwargs.update(overrides)
-    preset_conflicts(cls, kwargs)
-    return cls(**kwargs)
+    return cls(**kwargs)  # Policy.__new__ refuses a parameter given against preset=paper

@@ -193,8 +193,9 @@ def paper_rules(cls) -> dict:
 
 
 def preset_conflicts(cls, given: dict) -> None:
-    """Refuse a spec that asks for preset=paper and gives one of the paper's parameters another
-    value: the result would not be the paper's rules. given: the spec's parsed items."""
+    """Refuse preset=paper beside one of the paper's parameters given another value: the result
+    would not be the paper's rules. given: the keywords the policy class is called with (a
+    spec's parsed items, or a direct call's)."""
     if given.get("preset") != "paper":
         return
     for key, want in paper_rules(cls).items():

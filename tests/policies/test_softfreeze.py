@@ -98,13 +98,29 @@ def script_relevance(table, policy):
 BACKENDS = ["eager", "reference"]
 
 
+# token 0 of a 2-token prompt, always below tau, everything else never, softness 2: c = 1..3 ->
+# d = 0; c = 4..15 -> d = 1; c = 16 -> d = 2 (Sec. 3.4's examples). A token frozen at step t with
+# d_j = d is absent from the attentions of steps t+1 .. t+d and judged again at step t+d+1.
+# The default (judge_prompt=false): detections at steps 1, 2, 3 (c = 1..3), c = 4 at step 4 ->
+# frozen, absent at 5 only, back at 6 with c = 5 -> absent at 7, ... c = 15 at step 26 (absent
+# 27); c = 16 at step 28 -> d = 2: absent at 29 and 30, judged again at 31 (c = 17, d = 2),
+# absent 32, 33; c = 18 at 34, absent 35, 36; c = 19 at 37, absent 38, 39 (the last step): c = 19
+ABSENT_DEFAULT = [5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 30, 32, 33, 35, 36, 38, 39]
+# judge_prompt=true (the paper's reading): the prefill (step 0) is the first detection, so every
+# step comes one earlier: c = 4 at step 3 (absent 4), ..., c = 15 at 25 (absent 26); c = 16 at
+# 27 (absent 28, 29), c = 17 at 30 (absent 31, 32), c = 18 at 33 (34, 35), c = 19 at 36 (37, 38),
+# c = 20 at step 39
+ABSENT_PROMPT_JUDGED = [4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 29, 31, 32, 34, 35, 37, 38]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_one_always_irrelevant_token_hand_computed(backend):
-    # softness 2: c = 1..3 -> d = 0; c = 4..15 -> d = 1; c = 16 -> d = 2 (Sec. 3.4's examples)
+@pytest.mark.parametrize("judge_prompt, expected, count", [(False, ABSENT_DEFAULT, 19), (True, ABSENT_PROMPT_JUDGED, 20)])
+def test_one_always_irrelevant_token_hand_computed(backend, judge_prompt, expected, count):
     steps = 40
     table = torch.ones(steps, 64)
     table[:, 0] = 0.0  # token 0 is always below tau; everything else never is
-    d = Driver(f"softfreeze:window=1,tau=0.5,softness=2,score=raw,egr=false,backend={backend}", max_len=64)
+    flag = ",judge_prompt=true" if judge_prompt else ""  # the default is false
+    d = Driver(f"softfreeze:window=1,tau=0.5,softness=2,score=raw,egr=false,backend={backend}{flag}", max_len=64)
     script_relevance(table, d.policy)
     absent = []
     d.step(2)
@@ -112,19 +128,17 @@ def test_one_always_irrelevant_token_hand_computed(backend):
         if 0 not in d.policy.layers[0].active_tokens().tolist():
             absent.append(t)
         d.step(1)
-    # detections at steps 0,1,2 (c = 1..3), c = 4 at step 3 -> frozen, absent at step 4 only
-    # (kept its timer at step 3), back at 5 with c = 5 -> absent at 6, ... c = 15 at step 25;
-    # c = 16 at step 27 -> d = 2: absent at 28 and 29, judged again at 30 (c = 17), absent 31, 32
-    assert absent[:12] == [4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26]
-    assert absent[12:] == [28, 29, 31, 32, 34, 35, 37, 38]
+    assert absent == expected
+    assert int(d.policy.layers[0].counts()[0]) == count
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_relative_score_divides_by_the_mean(backend):
     steps, n = 6, 10
     table = torch.rand(steps, n + steps, generator=torch.Generator().manual_seed(1)) * 50
-    raw = Driver(f"softfreeze:window=0,tau=20,softness=1,score=raw,egr=false,backend={backend}", max_len=n + steps)
-    rel = Driver(f"softfreeze:window=0,tau=0.8,softness=1,score=relative,egr=false,backend={backend}", max_len=n + steps)
+    common = f"softfreeze:window=0,softness=1,egr=false,judge_prompt=true,backend={backend}"  # judged at prefill
+    raw = Driver(f"{common},tau=20,score=raw", max_len=n + steps)
+    rel = Driver(f"{common},tau=0.8,score=relative", max_len=n + steps)
     script_relevance(table, rel.policy)
     script_relevance(table, raw.policy)
     rel.step(n)
@@ -145,8 +159,9 @@ def one_token_read(T: int, j: int):
 
 
 def frozen_after_prefill(spec: str, q, k, v) -> list[int]:
-    """Layer 0's frozen tokens after a prefill of q, k, v and its end_step."""
-    p = make(spec).bind(TINY, device=DEVICE, dtype=torch.float32, max_len=16)
+    """Layer 0's frozen tokens after a prefill of q, k, v and its end_step, the prompt judged by
+    its last position's query (judge_prompt)."""
+    p = make(spec + ",judge_prompt=true").bind(TINY, device=DEVICE, dtype=torch.float32, max_len=16)
     for layer in p.layers:
         layer.prefill(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), torch.arange(q.shape[2], device=DEVICE)[None])
     p.end_step()
@@ -431,32 +446,42 @@ def run_passkey(smollm2, key, depth):
     result = minikv.generate(model, tok, passkey_prompt(key, depth), chat=True, policy=policy, max_new_tokens=24)
     assert 1300 < result.stats["prompt_tokens"] < 1800, result.stats["prompt_tokens"]
     check_real_invariants(policy)
-    return result
+    return result, policy
 
 
 def test_smollm2_passkey_in_1500_tokens_of_filler(smollm2):
     # Table 2 (the paper's key, in the middle of the filler), greedy, at the default settings
-    result = run_passkey(smollm2, "44181", 30)
+    result, policy = run_passkey(smollm2, "44181", 30)
     assert "44181" in result.text, result.text
-    # the key is still retrieved after the first freeze (step k^2 - 1 = 3, inside the key): the
-    # answer goes on and repeats it, with most of the prompt frozen by then
+    # the key is still retrieved after the first freeze (step k^2 = 4: its tokens are absent from
+    # step 5, which writes the first digit): the answer goes on and repeats it
     assert result.stats["new_tokens"] == 24 and result.text.count("44181") == 2, result.text
-    assert result.stats["freezes"] > 0 and result.stats["compression"] > 0.5, result.stats["compression"]
+    # ...while the decode steps read on average at most 65% of the KV (0.61 measured). Not the
+    # compression after the last step: d = 1 freezes alternate, so it swings with the parity of
+    # the step count (0.31 after step 23 here, 0.61 after step 22)
+    read = result.stats["kv_bytes_read_per_step"] / (policy.cfg.n_layers * policy.token_bytes())  # tokens a layer read
+    assert result.stats["freezes"] > 0 and read < 0.65 * result.stats["total_tokens"], read / result.stats["total_tokens"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("key, depth", [("38612", 3), ("27849", 45), ("51374", 50)])
 def test_smollm2_passkey_other_keys_and_depths(smollm2, key, depth):
-    # depths where full KV passes too: SmolLM2-135M fails with full KV at depths 8 and 15 of 60
-    result = run_passkey(smollm2, key, depth)
+    # depths where full KV passes too: SmolLM2-135M fails with full KV at depths 8 and 15 of 60.
+    # Nothing is frozen before step 5 (the first freeze: c_j = k^2 = 4 at step 4), so the step
+    # that chooses between the key (' ') and ' the' after "The pass key is" is full KV's (margins
+    # 0.59, 1.25, 1.18 here); judging the prompt too froze the key's tokens for that step and
+    # lost depth 3 (docs/softfreeze.md, "Table 2")
+    result, _ = run_passkey(smollm2, key, depth)
     assert key in result.text, result.text
 
 
 @pytest.mark.slow
 def test_smollm2_long_pass_perplexity_near_full_kv(smollm2):
     # bench compare's long pass (quick preset): 2,048 tokens of pydoc_data.topics prefilled, 32
-    # fed one at a time. The defaults stay within 1.2x of full KV's perplexity while reading at
-    # most 60% of its KV on average (Eq. 2's score froze the attended tokens: 4.1x at 72%)
+    # fed one at a time. The defaults stay within 1.2x of full KV's perplexity (1.02x measured)
+    # while reading at most 62% of its KV on average (61.1%: the forwards up to step 4 read it
+    # whole, nothing being frozen before c_j = k^2 = 4 detections; 59.8% with judge_prompt=true,
+    # one forward fewer). Eq. 2's score froze the attended tokens: 4.1x at 72%, the prompt judged
     from minikv.bench.common import text_ids
     from minikv.bench.compare_run import bind, lockstep_long_pass
 
@@ -466,4 +491,4 @@ def test_smollm2_long_pass_perplexity_near_full_kv(smollm2):
                                                        for s in ("full", "softfreeze")], rebind=None)
     assert full["kv_share_mean"] == 1.0
     assert sf["ppl"] <= 1.2 * full["ppl"], (sf["ppl"], full["ppl"])
-    assert sf["kv_share_mean"] <= 0.6, sf["kv_share_mean"]
+    assert sf["kv_share_mean"] <= 0.62, sf["kv_share_mean"]

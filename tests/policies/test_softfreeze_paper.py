@@ -8,7 +8,8 @@ d_j = floor(sqrt(c_j) / k) (Eq. 3) for each token outside the last K with s_j < 
 a freeze when d_j > 0 (lines 6-8), and the timers of the frozen tokens counted down and expired
 ones restored (lines 10-15). Only the decisions docs/design.md states are added: a token frozen
 at a step is not counted down in that same step, and the prefill is the first step, its query
-the last prompt position's (the prompt is judged whole by it). `softfreeze:preset=paper,
+the last prompt position's (the prompt is judged whole by it; judge_prompt=true, which the
+preset sets and the default does not). `softfreeze:preset=paper,
 backend=reference` must hold the same active set, counts and output at every step; the default
 score (the attention share) does not."""
 import math
@@ -110,7 +111,8 @@ def test_other_scores_are_not_eq_2(other):
 
 def test_the_preset_sets_the_papers_rules():
     p = make("softfreeze:paper")
-    assert (p.score, p.tau, p.softness, p.window, p.follow_weight) == ("raw", 0.5, 2.0, 32, 0.0)
+    assert (p.score, p.tau, p.softness, p.window, p.follow_weight, p.judge_prompt) == ("raw", 0.5, 2.0, 32, 0.0, True)
+    assert not make("softfreeze").judge_prompt  # the default's departure (docs/design.md)
     assert make("softfreeze:paper,window=64").window == 64
     with pytest.raises(ValueError, match="preset=paper sets score=raw"):
         make("softfreeze:paper,score=attention")

@@ -12,7 +12,7 @@ import torch
 
 from minikv.policies import Policy, available, make
 from minikv.policies.base import _REGISTRY, register
-from minikv.policies.params import param, parse_value, value_type
+from minikv.policies.params import param, parse_value, show, value_type
 
 
 @dataclass(eq=False, kw_only=True)
@@ -166,6 +166,28 @@ def test_every_policy_takes_the_paper_preset(name):
         p = make(spec)
         assert p.preset == "paper" and all(getattr(p, k) == v for k, v in rules.items())
     for key, value in rules.items():
-        other = next(c for c in parameters(cls)[key].metadata["choices"] or (value + 1,) if c != value)
+        choices = (not value,) if isinstance(value, bool) else parameters(cls)[key].metadata["choices"] or (value + 1,)
+        other = next(c for c in choices if c != value)
         with pytest.raises(ValueError, match=rf"preset=paper sets {key}="):
-            make(f"{name}:paper,{key}={other}")
+            make(f"{name}:paper,{key}={show(other)}")
+
+
+@pytest.mark.parametrize("name", available())
+def test_the_class_called_with_the_paper_preset_refuses_what_the_spec_refuses(name):
+    """cls(preset="paper", key=value) answers as make's spec does: a value of one of the paper's
+    parameters other than the paper's is refused with the same line, the class default
+    included (the silent case: apply_preset cannot tell it given from left out); the paper's
+    own value is accepted."""
+    from minikv.policies.params import paper_rules
+
+    cls = _REGISTRY[name]
+    defaults = {f.name: f.default for f in fields(cls)}
+    for key, value in paper_rules(cls).items():
+        assert defaults[key] != value  # a rule the preset changes: the default is the silent case
+        with pytest.raises(ValueError) as spec_error:
+            make(f"{name}:paper,{key}={show(defaults[key])}")
+        with pytest.raises(ValueError) as call_error:
+            cls(preset="paper", **{key: defaults[key]})
+        assert str(call_error.value) == str(spec_error.value)
+        assert f"preset=paper sets {key}={show(value)}" in str(call_error.value)
+        assert getattr(cls(preset="paper", **{key: value}), key) == value

@@ -48,9 +48,10 @@ class FastAlgorithm1Layer(LayerKV):
     def prefill(self, q, k, v, positions):
         # q (1, Hq, T, D); k, v (1, Hkv, T, D)
         self.state.fill(self.index, k[0], v[0])
-        # the prefill forward generates the first token: Algorithm 1 runs on it (at end_step)
-        # with the last prompt position's query
-        self.policy.scores[self.index] = self.attend(q[:, :, -1])[1]
+        # with judge_prompt, Algorithm 1 runs on the prefill's forward (at end_step) with the
+        # last prompt position's query
+        if self.policy.judge_prompt:
+            self.policy.scores[self.index] = self.attend(q[:, :, -1])[1]
         return dense_attention(q, k, v)
 
     def decode(self, q, k, v, positions):

@@ -16,12 +16,16 @@ back bit for bit and is judged again. Where to read what:
     schedule_fast, layer_fast    the fast form of the same schedule, all layers at once (default;
                                  the package plugs it in: this module does not import it)
 
-The paper's rules: `softfreeze:paper` (preset=paper: score=raw, tau=0.5, the paper's Eq. 2 and
-threshold; k = 2 and K = 32 are the defaults already). Decisions (docs/design.md, "softfreeze" and
-"The paper as a preset"): a token frozen in a step keeps its timer that step (schedule.py). The
-prompt is judged once, by the last prompt position's query: the prefill forward generates the
-first token, so it is Algorithm 1's first step, and its line 2 scores every prompt token with
-that query (Algorithm1Layer.prefill). The score: score="raw" is Eq. 2 as it is and
+The paper's rules: `softfreeze:paper` (preset=paper: score=raw, tau=0.5, judge_prompt=true, the
+paper's Eq. 2, threshold and first step; k = 2 and K = 32 are the defaults already). Decisions
+(docs/design.md, "softfreeze" and "The paper as a preset"): a token frozen in a step keeps its
+timer that step (schedule.py). The prompt: the prefill forward generates the first token, so read
+literally it is Algorithm 1's first step, whose line 2 scores every prompt token with the last
+prompt position's query (judge_prompt=true, the preset's). The default leaves that judgement out
+and the first decode step judges first: counted, it put the first freeze (c_j = k^2) on step
+k^2 - 1 = 3, so the step that chooses whether to write the key after "The pass key is" ran with
+part of the key frozen and lost a passkey full KV finds (docs/softfreeze.md, "Table 2"). The
+score: score="raw" is Eq. 2 as it is and
 score="relative" divides it by the mean s over the active tokens (Eq. 2 is unscaled: tau = 0.5
 never fires on SmolLM2). Both rank tokens nearly opposite to the attention on SmolLM2 (a key a
 head ignores has a large negative q.k, so a large |q.k|), so score="attention" (the default,
@@ -54,7 +58,8 @@ class SoftFreeze(RecoveryLadder, Policy):
     name = "softfreeze"
     max_batch = 1
     kernels = ("attention_relevance",)
-    PAPER = dict(score="raw", tau=0.5)  # Eq. 2 as it is, and Sec. 4.1's tau = 0.50
+    # Eq. 2 as it is, Sec. 4.1's tau = 0.50, and the prefill's forward as the first generation step
+    PAPER = dict(score="raw", tau=0.5, judge_prompt=True)
     # the contract matrix's data (base.Policy, "What check_policy reads")
     covering_spec = "softfreeze:tau=0"  # nothing is below relevance 0: nothing freezes
     small_spec = "softfreeze:softness=1"  # no budget: it freezes by relevance, from the first step on
@@ -81,6 +86,9 @@ class SoftFreeze(RecoveryLadder, Policy):
     follow: float | None = param(None, "keep (and bring back) the token after one a head weighs at least this "
                                        "much, for the next step: score=attention only (none: 0.1 with "
                                        "score=attention, off with the others; 0: off)", low=0, high=1)
+    judge_prompt: bool = param(False, "Algorithm 1 runs on the prefill's forward too: the last prompt position's "
+                                      "query judges the whole prompt, a first detection of each token below "
+                                      "tau (false: the first decode step judges first)")
     egr: bool = param(True, "entropy-guided recovery on spikes of the next-token entropy")
     egr_window: int = param(16, "past entropies a spike is judged against", low=2)
     egr_z: float = param(3.0, "a spike: entropy above the mean by egr_z standard deviations...", low=0)
@@ -103,13 +111,14 @@ class SoftFreeze(RecoveryLadder, Policy):
             raise ValueError("softfreeze does not support sliding-window attention (cfg.sliding_window is set)")
 
     def bind(self, cfg, **kwargs) -> "SoftFreeze":
-        super().bind(cfg, **kwargs)
         # a count grows at most once a step, and every step that does not rewind adds a token, so
         # between two resets of the counts (full_reset, which every rewalk runs first) a count
         # reaches at most max_len: a history of W >= max_len steps counts every detection, and is
-        # `none`, without a (layers, max_len, W) table of detection steps
+        # `none`, without a (layers, max_len, W) table of detection steps. Set before the layers
+        # are made (in Policy.bind): they size that table by it
         W = self.declared_history
-        self.history = None if W is None or W >= self.max_len else W
+        self.history = None if W is None or W >= kwargs["max_len"] else W
+        super().bind(cfg, **kwargs)
         # the fast form's stacked state of all layers (None: Algorithm1Layer, each its own)
         self.state = None if self.backend == "reference" else self.fast_tiers(self, cfg.n_layers)
         self.scores: list[torch.Tensor | None] = [None] * cfg.n_layers  # each layer's s_j of this forward

@@ -78,9 +78,10 @@ class Algorithm1Layer(LayerKV):
         self.kv[:T] = torch.stack((k[0], v[0]), dim=1).transpose(0, 2)  # (T, 2, Hkv, D)
         self.active[:T] = True
         self.n_tok = T
-        # the prefill forward generates the first token: Algorithm 1 judges the prompt with the
-        # last prompt position's query
-        self.policy.scores[self.index] = self.attend(q[:, :, -1])[1]
+        # the prefill forward generates the first token; with judge_prompt (the paper's reading)
+        # it is Algorithm 1's first step, which judges the prompt by the last position's query
+        if self.policy.judge_prompt:
+            self.policy.scores[self.index] = self.attend(q[:, :, -1])[1]
         return dense_attention(q, k, v)
 
     def decode(self, q, k, v, positions):
