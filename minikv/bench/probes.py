@@ -20,6 +20,7 @@ calls the same way:
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from contextlib import contextmanager
 from typing import Iterable
@@ -39,6 +40,7 @@ def timed(objects: Iterable[object], names: Iterable[str], totals: dict[str, flo
     totals[name] (seconds) while the block runs; the original methods come back on exit."""
     sync = torch.cuda.is_available()
     patched: list[tuple[object, str]] = []
+    adding = threading.Lock()  # a selection worker's thread adds to the totals too (policies/worker.py)
 
     def wrap(method, name):
         @functools.wraps(method)
@@ -47,7 +49,9 @@ def timed(objects: Iterable[object], names: Iterable[str], totals: dict[str, flo
             try:
                 return method(*args, **kwargs)
             finally:
-                totals[name] = totals.get(name, 0.0) + _now(sync) - t0
+                spent = _now(sync) - t0
+                with adding:
+                    totals[name] = totals.get(name, 0.0) + spent
         return timed_method
 
     try:

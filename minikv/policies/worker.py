@@ -106,3 +106,8 @@ def threads(policy) -> int:
     """The threads a bound policy's decoding uses besides torch's intra-op pool (its worker's)."""
     worker = getattr(policy, "worker", None)
     return worker.threads if isinstance(worker, Worker) else 0
+
+
+def thread_counts(policy, intra_op: int) -> dict:
+    """What a run's stats say about its threads: torch's intra-op ones, the worker's, their sum."""
+    return {"intra_op_threads": intra_op, "worker_threads": threads(policy), "threads": intra_op + threads(policy)}
