@@ -58,7 +58,7 @@ from .base import LayerKV, Policy, dense_attention, param, register
 from .full import FullLayer
 from .paged import DIGESTS, HostPages, PagedKV, PagedLayer, check_page_geometry
 from .pool import Staging
-from .worker import Worker
+from .worker import policy_worker
 
 
 class FreeKVLayer(PagedLayer):
@@ -253,8 +253,8 @@ class FreeKV(Policy):
     rescore: int = param(0, "beyond the paper: shortlist rescore x K pages by the digest, keep the K whose keys "
                             "take the most exact attention (0: the paper's selection)", low=0)
     overlap: bool = param(True, "select the next step's pages on a worker thread while the model computes "
-                                "(speculative only; backend=reference stays synchronous): one more thread, "
-                                "the same tokens")
+                                "(speculative, backend=eager; reference and triton stay synchronous): one more "
+                                "thread, the same tokens")
 
     def __post_init__(self):
         super().__post_init__()
@@ -283,11 +283,10 @@ class FreeKV(Policy):
         # one pair of staging buffers for all layers (they recall one after another)
         self.staging = Staging((self.cfg.n_kv_heads * self.n_select, 2, self.page_size, self.cfg.head_dim),
                                self.dtype, self.tiers)
-        # select_next's thread: one per policy object, kept across binds (generate calls)
-        background = self.overlap and self.speculative and self.backend != "reference"
-        if getattr(self, "worker", None) is None or self.worker.background != background:
-            self.worker = Worker(background)
-        self.worker.reset()
+        # select_next's thread (policies/worker.py): kept across binds (generate calls); on
+        # backend=eager only: reference is the readable form, and Triton's CPU interpreter is not
+        # thread-safe (on CUDA the recall already runs on a side stream; the kernels untried here)
+        self.worker = policy_worker(self, self.overlap and self.speculative and self.backend == "eager")
 
     def finish_steps(self) -> None:
         """Join every layer's select_next: the slots then hold what the synchronous form's do."""

@@ -102,6 +102,16 @@ class Worker:
         return int(self.background)
 
 
+def policy_worker(policy, background: bool) -> Worker:
+    """The worker of a policy being bound: one per policy object, kept across binds (generate
+    calls) and reset; a new one where `background` changed."""
+    worker = getattr(policy, "worker", None)
+    if not isinstance(worker, Worker) or worker.background != background:
+        worker = Worker(background)
+    worker.reset()
+    return worker
+
+
 def threads(policy) -> int:
     """The threads a bound policy's decoding uses besides torch's intra-op pool (its worker's)."""
     worker = getattr(policy, "worker", None)

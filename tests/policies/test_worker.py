@@ -95,7 +95,8 @@ def test_freekv_worker_gives_the_synchronous_tokens_on_smollm2(smollm2):
 
 def test_reference_and_plain_quest_stay_synchronous():
     cfg = tiny_model("llama_gqa").cfg
-    for spec in ("freekv:backend=reference", "freekv:speculative=false", "freekv:overlap=false"):
+    for spec in ("freekv:backend=reference", "freekv:backend=triton", "freekv:speculative=false",
+                 "freekv:overlap=false"):
         policy = make(spec).bind(cfg, device="cpu", dtype=torch.float32, max_len=64)
         assert threads(policy) == 0 and thread_counts(policy, 1) == {"intra_op_threads": 1, "worker_threads": 0,
                                                                      "threads": 1}
@@ -155,3 +156,35 @@ def test_the_join_comes_before_every_read_or_write_of_the_layers_store():
         else:  # a read or write of the layer's paged store: its selection has been joined
             assert layer not in pending, (event, layer)
     assert not pending  # end_step joined the last step's
+
+
+# -- synckv: the anticipation's top-k on the worker -------------------------------------------------
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2 ** 16), prompt=st.integers(40, 100), m=st.integers(1, 4),
+       nr_reads=st.sampled_from(["cluster", "union"]))
+def test_synckv_worker_gives_the_synchronous_logits_bit_for_bit(tmp_path_factory, seed, prompt, m, nr_reads):
+    from minikv.policies.synckv.policy import SyncKV
+
+    model = tiny_model("llama_gqa")
+    spec = SyncKV.spec_for_model(f"synckv:budget=24,window=4,m={m},n_r=1,wide_layers=0,nr_reads={nr_reads}",
+                                 model.cfg, tmp_path_factory.mktemp("synckv"))
+    ids = torch.randint(0, model.cfg.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(seed))
+    sync, p0 = greedy_logits(model, ids, f"{spec},overlap=false", 16)
+    over, p1 = greedy_logits(model, ids, f"{spec},overlap=true", 16)
+    assert threads(p0) == 0 and threads(p1) == 1
+    assert torch.equal(sync, over)
+    s0, s1 = p0.stats(), p1.stats()
+    assert s1["tokens_fetched"] == s0["tokens_fetched"] > 0
+    assert s1["anticipation_steps"] == s0["anticipation_steps"]
+
+
+def test_synckv_worker_gives_the_synchronous_tokens_on_smollm2(smollm2):
+    from minikv.generate import generate
+
+    model, tok = smollm2
+    spec = "synckv:budget=48,window=8,m=2"
+    sync = generate(model, tok, ITEMS_PROMPT, policy=f"{spec},overlap=false", max_new_tokens=12)
+    over = generate(model, tok, ITEMS_PROMPT, policy=f"{spec},overlap=true", max_new_tokens=12)
+    assert over.token_ids == sync.token_ids
+    assert over.stats["tokens_fetched"] == sync.stats["tokens_fetched"] > 0
+    assert over.stats["worker_threads"] == 1 and sync.stats["worker_threads"] == 0
