@@ -36,22 +36,24 @@ def _now(device_sync: bool) -> float:
 
 @contextmanager
 def timed(objects: Iterable[object], names: Iterable[str], totals: dict[str, float]):
-    """Add the wall time of every call of `obj.<name>` (for each object and name) to
-    totals[name] (seconds) while the block runs; the original methods come back on exit."""
+    """Add the wall time of every call of `obj.<name>` (for each object and name) made on the
+    calling thread to totals[name] (seconds) while the block runs; the original methods come back
+    on exit. Calls on another thread (a selection worker's, policies/worker.py) run beside the
+    model, off the critical path, and are not timed."""
     sync = torch.cuda.is_available()
     patched: list[tuple[object, str]] = []
-    adding = threading.Lock()  # a selection worker's thread adds to the totals too (policies/worker.py)
+    model_thread = threading.get_ident()  # a selection worker's calls run beside it: not timed
 
     def wrap(method, name):
         @functools.wraps(method)
         def timed_method(*args, **kwargs):
+            if threading.get_ident() != model_thread:
+                return method(*args, **kwargs)
             t0 = _now(sync)
             try:
                 return method(*args, **kwargs)
             finally:
-                spent = _now(sync) - t0
-                with adding:
-                    totals[name] = totals.get(name, 0.0) + spent
+                totals[name] = totals.get(name, 0.0) + _now(sync) - t0
         return timed_method
 
     try:

@@ -39,8 +39,9 @@ baseline below.
 
 Where decoding goes: for policies that choose and bring back KV (freekv, icecache), timers
 installed from outside (bench/probes.py) around each layer's `select` and its storage's `recall`
-give select_s and recall_s, and their shares of the decode time (with a worker, select_s
-counts its time on both threads, not only the time on the critical path).
+give select_s and recall_s, and their shares of the decode time: the time on the model's thread
+(a worker's selections run beside it and are not counted; the model's wait for one at its join is
+in the decode time only).
 """
 from __future__ import annotations
 
