@@ -104,9 +104,9 @@ class SyncKV(Policy):
                                 "whose heads agree least (lowest mean similarity S between heads, Eq. 2); capped "
                                 "by the model's layers; 0: N_r clusters in every layer, as the paper", low=0)
     wide_n_r: int = param(0, "clusters per layer in the wide layers (0: one per KV head, full KV there)", low=0)
-    overlap: bool = param(True, "anticipation's selection on a worker thread while the model computes the next "
-                                "layers (backend=eager; reference and triton stay synchronous): one more thread, "
-                                "the same tokens")
+    overlap: bool = param(False, "anticipation's selection on a worker thread while the model computes the next "
+                                 "layers (backend=eager; reference and triton stay synchronous): one more thread, "
+                                 "the same tokens")
     nr_reads: str = param("cluster", "what a non-representative head reads besides the window: its own cluster's "
                                      "static and dynamic sets (cluster) or the union over every cluster's "
                                      "(union: Algorithm 1 lines 23-24)", choices=("cluster", "union"))
