@@ -194,8 +194,11 @@ class FreeKVLayer(PagedLayer):
         fresh = rolled or (drifted is not None and chosen is None)
         # the selection reads the candidate store (lo, hi, codes, n_cand), which nothing writes
         # before recall_next; q1 is copied since the model owns its buffer
-        job = self.policy.worker.submit(self.select, q1.clone()) if fresh else None
+        worker = self.policy.worker
+        job = worker.submit(self.select, q1.clone()) if fresh else None
         self.pending = (job, chosen, drifted)
+        if not worker.background:  # the synchronous form: recalled now, in the step
+            self.recall_next()
 
     def recall_next(self) -> None:
         """The join of select_next: its selection (re-raising the worker's error), the speculation's

@@ -214,7 +214,10 @@ class SyncKVLayer(LayerKV):
         self.anticipations += 1
         if self.k_dyn == 0:  # rho = 1: no dynamic set to choose
             return
-        self.pending = self.policy.worker.submit(self.top_dynamic, q_r.clone(), lse_r.clone(), self.start)
+        worker = self.policy.worker
+        self.pending = worker.submit(self.top_dynamic, q_r.clone(), lse_r.clone(), self.start)
+        if not worker.background:  # the synchronous form: the sets change at this step, as Algorithm 1 writes it
+            self.fetch_dynamic()
 
     def top_dynamic(self, q_r, lse_r, n: int) -> list[list[int]]:
         """Eq. 6: per cluster (R-head), the k_dyn selectable tokens among [0, n) of most attention."""
