@@ -20,6 +20,7 @@ calls the same way:
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from contextlib import contextmanager
 from typing import Iterable
@@ -35,14 +36,19 @@ def _now(device_sync: bool) -> float:
 
 @contextmanager
 def timed(objects: Iterable[object], names: Iterable[str], totals: dict[str, float]):
-    """Add the wall time of every call of `obj.<name>` (for each object and name) to
-    totals[name] (seconds) while the block runs; the original methods come back on exit."""
+    """Add the wall time of every call of `obj.<name>` (for each object and name) made on the
+    calling thread to totals[name] (seconds) while the block runs; the original methods come back
+    on exit. Calls on another thread (a selection worker's, policies/worker.py) run beside the
+    model, off the critical path, and are not timed."""
     sync = torch.cuda.is_available()
     patched: list[tuple[object, str]] = []
+    model_thread = threading.get_ident()  # a selection worker's calls run beside it: not timed
 
     def wrap(method, name):
         @functools.wraps(method)
         def timed_method(*args, **kwargs):
+            if threading.get_ident() != model_thread:
+                return method(*args, **kwargs)
             t0 = _now(sync)
             try:
                 return method(*args, **kwargs)

@@ -25,9 +25,23 @@ t + 1 of any, each greedy on its own tokens. On a machine whose load changes dur
 keeps the TPOT ratios fair (every policy's step t runs within seconds of the others'), and it
 costs one long prefill instead of one per policy and repeat. TTFT is not per policy then ('-').
 
+Threads, counted fairly: a policy whose selection runs on a worker thread (freekv's overlap=true,
+policies/worker.py) decodes on torch's intra-op threads plus that one; the `threads` column is
+the sum. --full-threads runs full KV once per thread count given (as `full@N` where N is not
+--threads), so that it runs on as many threads as a policy with a worker, in the same run:
+
+    python -m minikv.bench speed --threads 1 --lockstep --prompt-lengths 2000 --new-tokens 8 \\
+        --full-threads 1 2 --policy freekv:overlap=false --policy freekv
+
+Each ratio is then to the `full` run with the same thread count (one core: full against
+freekv:overlap=false; two: full@2 against freekv, 1 intra-op thread + its worker), else to the
+baseline below.
+
 Where decoding goes: for policies that choose and bring back KV (freekv, icecache), timers
 installed from outside (bench/probes.py) around each layer's `select` and its storage's `recall`
-give select_s and recall_s, and their shares of the decode time.
+give select_s and recall_s, and their shares of the decode time: the time on the model's thread
+(a worker's selections run beside it and are not counted; the model's wait for one at its join is
+in the decode time only).
 """
 from __future__ import annotations
 
@@ -40,6 +54,7 @@ import torch
 
 from ..generate import decode_bandwidth, decode_one_token, generate, synchronize, weight_bytes_per_step
 from ..policies import make
+from ..policies.worker import thread_counts
 from .common import add_common_arguments, load_model, measure_read_bandwidth, print_table, text_ids, write_json
 from .probes import timed
 from .shared_prefill import shared_prefill
@@ -47,7 +62,11 @@ from .shared_prefill import shared_prefill
 
 def add_arguments(p) -> None:
     add_common_arguments(p)
-    p.add_argument("--policy", action="append", help="policy spec, repeatable (default: full)")
+    p.add_argument("--policy", action="append",
+                   help="policy spec, repeatable (default: full)")
+    p.add_argument("--full-threads", type=int, nargs="+", default=None, metavar="N",
+                   help="also run full KV on N intra-op threads, for each N (a policy with a worker thread is "
+                        "compared with full KV on as many threads)")
     p.add_argument("--prompt-lengths", type=int, nargs="+", default=[500], help="prompt lengths in tokens")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens to generate per run (default 64)")
     p.add_argument("--repeats", type=int, default=3, help="runs per cell; the median is reported")
@@ -64,6 +83,7 @@ def summarize(runs: list[dict], new_tokens: int) -> dict:
     return {
         "ttft_s": statistics.median(r["ttft_s"] for r in runs),
         "tpot_s": statistics.median(r["tpot_s"] for r in runs),
+        "threads": runs[-1]["threads"],
         "device_tokens_peak": runs[-1]["device_tokens_peak"],
         "device_bytes": runs[-1]["device_bytes_allocated"],
         "bytes_per_token": runs[-1]["bytes_per_token"],
@@ -84,11 +104,42 @@ def check(args) -> None:
         raise ValueError("--repeats must be >= 1 and --warmup >= 0")
     if any(n < 1 for n in args.prompt_lengths):
         raise ValueError(f"prompt lengths must be >= 1, got {args.prompt_lengths}")
+    if args.full_threads and min(args.full_threads) < 1:
+        raise ValueError(f"--full-threads must be >= 1, got {args.full_threads}")
+
+
+def policy_runs(args) -> list[str]:
+    """The runs: each --policy, and full KV once per --full-threads count (`full@N` where N is not
+    the --threads count)."""
+    policies = list(args.policy or ["full"])
+    default = args.threads or torch.get_num_threads()  # before load_model sets --threads
+    for n in args.full_threads or ():
+        label = "full" if n == default else f"full@{n}"
+        if label not in policies:
+            policies.append(label)
+    return policies
+
+
+def split_threads(spec: str, default: int) -> tuple[str, int]:
+    """A run's label 'SPEC@N' -> (SPEC, N): the intra-op threads it decodes on (default: `default`)."""
+    body, at, n = spec.rpartition("@")
+    if not at:
+        return spec, default
+    if not n.strip().isdigit() or int(n) < 1:
+        raise ValueError(f"{spec!r}: the threads after @ must be an integer >= 1, got {n!r}")
+    return body, int(n)
+
+
+def same_threads_baseline(rows: list[dict], row: dict, base: str) -> dict:
+    """The row a row's ratio divides by: the `full` run on as many threads (a policy with a worker
+    against full KV on its threads plus one), else the baseline policy's row."""
+    fair = [r for r in rows if r["threads"] == row["threads"] and split_threads(r["policy"], 1)[0].split(":")[0].strip() == "full"]
+    return fair[0] if fair else next(r for r in rows if r["policy"] == base)
 
 
 def baseline_policy(policies: list[str]) -> str:
     """The denominator of every ratio: `full` when it runs, else the first policy."""
-    return next((p for p in policies if p.split(":")[0].strip() == "full"), policies[0])
+    return next((p for p in policies if split_threads(p, 1)[0].split(":")[0].strip() == "full"), policies[0])
 
 
 def probe_targets(policy) -> list:
@@ -117,8 +168,12 @@ def with_probes(stats: dict, totals: dict) -> dict:
 
 def timed_generate(model, tokenizer, ids: list[int], spec: str, new_tokens: int) -> dict:
     """generate()'s stats, with the bound policy's select and recall timed from outside
-    (bench/probes.py): the probes go on when generate binds the policy and off when it returns."""
+    (bench/probes.py): the probes go on when generate binds the policy and off when it returns.
+    A label SPEC@N runs on N intra-op threads (the count before comes back after)."""
+    before = torch.get_num_threads()
+    spec, intra = split_threads(spec, before)
     policy, totals = make(spec), {}
+    torch.set_num_threads(intra)
     with ExitStack() as probes:
         bind = policy.bind
 
@@ -128,7 +183,10 @@ def timed_generate(model, tokenizer, ids: list[int], spec: str, new_tokens: int)
             return bound
 
         policy.bind = bind_and_probe
-        stats = generate(model, tokenizer, ids, policy=policy, max_new_tokens=new_tokens, stop_at_eos=False).stats
+        try:
+            stats = generate(model, tokenizer, ids, policy=policy, max_new_tokens=new_tokens, stop_at_eos=False).stats
+        finally:
+            torch.set_num_threads(before)
     return with_probes(stats, totals)
 
 
@@ -136,7 +194,7 @@ def lockstep_prefill(model, ids: list[int], specs: list[str], new_tokens: int) -
     """Bind every policy and prefill it -> (policies, first token of each): one forward for all
     whose prefill agrees with the first's, one forward each for the others (shared_prefill)."""
     def bind(j):
-        return make(specs[j]).bind(model.cfg, device=model.device, dtype=model.dtype, max_len=len(ids) + new_tokens)
+        return make(split_threads(specs[j], 1)[0]).bind(model.cfg, device=model.device, dtype=model.dtype, max_len=len(ids) + new_tokens)
 
     def alone(j):
         print(f"  {specs[j]}: its prefill differs from {specs[0]}'s, prefilled on its own", file=sys.stderr)
@@ -153,6 +211,8 @@ def lockstep_runs(model, ids: list[int], specs: list[str], new_tokens: int, warm
     The first `warmup` steps are not timed (at least one step is): they compile the kernels of
     the length's buckets (Triton's JIT, kernels/launch.py) and fill caches."""
     warmup = min(warmup, new_tokens - 2)
+    before = torch.get_num_threads()
+    intra = [split_threads(spec, before)[1] for spec in specs]  # each policy's intra-op threads
     policies, token = lockstep_prefill(model, ids, specs, new_tokens)
     times = [[] for _ in specs]
     produced = [[int(t)] for t in token]
@@ -163,6 +223,7 @@ def lockstep_runs(model, ids: list[int], specs: list[str], new_tokens: int, warm
         for step in range(new_tokens - 1):
             position = torch.tensor([len(ids) + step], device=model.device)
             for j, policy in enumerate(policies):
+                torch.set_num_threads(intra[j])
                 synchronize(model.device)
                 t0 = time.perf_counter()
                 out = decode_one_token(model, token[j], position, policy)
@@ -171,17 +232,19 @@ def lockstep_runs(model, ids: list[int], specs: list[str], new_tokens: int, warm
                     times[j].append(time.perf_counter() - t0)
                 token[j] = out.argmax(-1)
                 produced[j].append(int(token[j]))
+    torch.set_num_threads(before)
     found = {}
-    for spec, policy, ts, toks, tot in zip(specs, policies, times, produced, totals):
+    for spec, policy, ts, toks, tot, n in zip(specs, policies, times, produced, totals, intra):
         stats = with_probes(policy.stats(), tot)
         stats.update(ttft_s=float("nan"), tpot_s=sum(ts) / len(ts), token_ids=toks)
+        stats.update(thread_counts(policy, n))
         stats.update(decode_bandwidth(weight_bytes_per_step(model) + stats["kv_bytes_read_per_step"], stats["tpot_s"]))
         found[spec] = stats
     return found
 
 
 def run(args) -> int:
-    policies = args.policy or ["full"]
+    policies = policy_runs(args)
     base = baseline_policy(policies)
     model, tokenizer = load_model(args)
     read_bw = measure_read_bandwidth(model.device)
@@ -212,12 +275,12 @@ def run(args) -> int:
             row.update(decode_bandwidth(row["bytes_per_token"], row["tpot_s"], read_bw))
             row["bytes_per_token_mb"] = row["bytes_per_token"] / 1e6
             cells.append(row)
-        base_row = next(r for r in cells if r["policy"] == base)
         for row in cells:
-            row["tpot_vs_base"] = row["tpot_s"] / base_row["tpot_s"]
+            row["tpot_vs_base"] = row["tpot_s"] / same_threads_baseline(cells, row, base)["tpot_s"]
         rows += cells
-    print_table(rows, [("policy", "policy", ""), ("prompt", "prompt_tokens", "d"), ("TTFT s", "ttft_s", ".3f"),
-                       ("TPOT ms", "tpot_ms", ".2f"), (f"TPOT x {base} (lower is better)", "tpot_vs_base", ".2f"),
+    print_table(rows, [("policy", "policy", ""), ("prompt", "prompt_tokens", "d"), ("threads", "threads", "d"),
+                       ("TTFT s", "ttft_s", ".3f"), ("TPOT ms", "tpot_ms", ".2f"),
+                       (f"TPOT x full on as many threads, else x {base} (lower is better)", "tpot_vs_base", ".2f"),
                        ("tok/s", "tokens_per_s", ".1f"), ("MB read/token", "bytes_per_token_mb", ".0f"),
                        ("GB/s", "bandwidth_gb_s", ".1f"), ("of read BW", "bandwidth_share", ".0%"),
                        ("peak device tokens", "device_tokens_peak", ".0f"), ("select+recall share", "overhead_share", ".2f")],

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..policies import Policy, make
+from ..policies.worker import thread_counts
 from .timing import decode_bandwidth, measure_read_bandwidth, synchronize, weight_bytes_per_step  # noqa: F401
 
 
@@ -301,6 +302,7 @@ def generation_stats(policy, prompts, new, ttft, step_times, total, model=None) 
         "total_s": total,
     }
     stats.update(policy.stats())
+    stats.update(thread_counts(policy, torch.get_num_threads()))  # intra-op + a selection worker's
     if model is not None and step_times:
         # what one decode step reads: the weights, and the KV the policy's attention read
         stats.update(decode_bandwidth(weight_bytes_per_step(model) + stats["kv_bytes_read_per_step"], tpot))

@@ -17,8 +17,11 @@ paper's flow (FreeKVLayer.decode):
                          C_m < tau is drifted: one selection with q_t for all heads, the drifted
                          heads' pages recalled before attention (FreeKVLayer.correct)
     attend               sink + selected + window pages (paged.PagedKV.attend)
-    select the next      after attention, off the critical path: q_t's pages recalled in the
-                         background for step t + 1 (FreeKVLayer.select_next)
+    select the next      after attention, off the critical path: q_t's pages selected on the
+                         worker thread (policies/worker.py, overlap=true) while the model computes
+                         the next layers, and recalled in the background for step t + 1
+                         (FreeKVLayer.select_next; joined by recall_next before the layer's slots
+                         are next read or written)
 
     FreeKVLayer.select   group-consistent top-K per KV head, S_m = sum_j softmax(P_{(m-1)G+j}) / G
                          (kernels/page_scores); P_h[n] = sum_d max(q_d lo_{n,d}, q_d hi_{n,d})
@@ -55,6 +58,7 @@ from .base import LayerKV, Policy, dense_attention, param, register
 from .full import FullLayer
 from .paged import DIGESTS, HostPages, PagedKV, PagedLayer, check_page_geometry
 from .pool import Staging
+from .worker import policy_worker
 
 
 class FreeKVLayer(PagedLayer):
@@ -71,6 +75,7 @@ class FreeKVLayer(PagedLayer):
         self.G = cfg.n_heads // cfg.n_kv_heads
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.prev_q = None  # (Hq, D) the previous step's query, float32, each head of unit norm
+        self.pending = None  # select_next's work for the next step, until recall_next joins it
 
     # -- selection ---------------------------------------------------------------------------
     def select(self, q: torch.Tensor) -> torch.Tensor:
@@ -134,6 +139,7 @@ class FreeKVLayer(PagedLayer):
     def decode(self, q, k, v, positions):
         # q (1, Hq, 1, D); k, v (1, Hkv, 1, D)
         q1 = q[:, :, 0]  # (1, Hq, D)
+        self.recall_next()  # the previous step's selection lands before anything touches the slots
         self.kv.append(k, v)
         self.policy.layer_steps += 1
         if not self.policy.speculative:
@@ -181,12 +187,30 @@ class FreeKVLayer(PagedLayer):
         return chosen
 
     def select_next(self, q1: torch.Tensor, chosen, drifted, rolled: bool) -> None:
-        """After attention, off the critical path: the pages step t + 1 reads, selected with q_t,
-        recalled in the background. A correction's selection serves the heads it did not recall;
-        a new candidate (rolled) makes every head select again."""
+        """After attention, off the critical path: the pages step t + 1 reads, selected with q_t on
+        the policy's worker (in the background with overlap=true) while the model goes on; the
+        bookkeeping and the recall wait for recall_next. A correction's selection serves the heads
+        it did not recall; a new candidate (rolled) makes every head select again."""
+        fresh = rolled or (drifted is not None and chosen is None)
+        # the selection reads the candidate store (lo, hi, codes, n_cand), which nothing writes
+        # before recall_next; q1 is copied since the model owns its buffer
+        worker = self.policy.worker
+        job = worker.submit(self.select, q1.clone()) if fresh else None
+        self.pending = (job, chosen, drifted)
+        if not worker.background:  # the synchronous form: recalled now, in the step
+            self.recall_next()
+
+    def recall_next(self) -> None:
+        """The join of select_next: its selection (re-raising the worker's error), the speculation's
+        count against what the slots hold, and the recall, in the synchronous form's order. Runs
+        before the layer's next step reads or writes its paged store, and at the policy's end_step."""
+        if self.pending is None:
+            return
+        job, chosen, drifted = self.pending
+        self.pending = None
         heads = None  # all KV heads
-        if rolled or (drifted is not None and chosen is None):
-            fresh = self.select(q1)
+        if job is not None:
+            fresh = job.join()
             if chosen is None and drifted is not None:
                 self._count_speculation(fresh)
             chosen = fresh
@@ -231,6 +255,9 @@ class FreeKV(Policy):
     skip_layers: int = param(0, low=0)
     rescore: int = param(0, "beyond the paper: shortlist rescore x K pages by the digest, keep the K whose keys "
                             "take the most exact attention (0: the paper's selection)", low=0)
+    overlap: bool = param(True, "select the next step's pages on a worker thread while the model computes "
+                                "(speculative, backend=eager; reference and triton stay synchronous): one more "
+                                "thread, the same tokens")
 
     def __post_init__(self):
         super().__post_init__()
@@ -259,6 +286,21 @@ class FreeKV(Policy):
         # one pair of staging buffers for all layers (they recall one after another)
         self.staging = Staging((self.cfg.n_kv_heads * self.n_select, 2, self.page_size, self.cfg.head_dim),
                                self.dtype, self.tiers)
+        # select_next's thread (policies/worker.py): kept across binds (generate calls); on
+        # backend=eager only: reference is the readable form, and Triton's CPU interpreter is not
+        # thread-safe (on CUDA the recall already runs on a side stream; the kernels untried here)
+        self.worker = policy_worker(self, self.overlap and self.speculative and self.backend == "eager")
+
+    def finish_steps(self) -> None:
+        """Join every layer's select_next: the slots then hold what the synchronous form's do."""
+        for layer in self.layers:
+            if isinstance(layer, FreeKVLayer):
+                layer.recall_next()
+
+    def end_step(self, logits=None):
+        # the step's accounting (device tokens) reads the slots as the synchronous form leaves them
+        self.finish_steps()
+        return super().end_step(logits)
 
     def make_layer(self, index: int) -> LayerKV:
         return FullLayer(self, index) if index < self.skip_layers else FreeKVLayer(self, index)
@@ -267,6 +309,7 @@ class FreeKV(Policy):
         return self.staging.nbytes()
 
     def stats(self) -> dict:
+        self.finish_steps()
         s = super().stats()
         paged = [layer for layer in self.layers if isinstance(layer, FreeKVLayer)]
         recalled = sum(layer.kv.pages_recalled for layer in paged)

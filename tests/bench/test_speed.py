@@ -119,3 +119,47 @@ def test_overhead_share_counts_a_policy_that_times_selection_but_no_recall():
     runs = [{"tpot_s": 0.1, "select_s": 0.3}, {"tpot_s": 0.2, "select_s": 0.3}]
     assert share(runs, ("select_s", "recall_s"), new_tokens=4) == pytest.approx((1.0 + 0.5) / 2)
     assert share(runs, ("recall_s",), new_tokens=4) is None
+
+
+def test_threads_are_counted_and_ratios_compare_full_kv_on_as_many_threads(smollm2, tmp_path, monkeypatch):
+    """--full-threads 1 2 with --threads 1: full KV runs on one and on two intra-op threads in the
+    same lockstep run; freekv with its worker counts 1 + 1 threads and divides by full on two,
+    freekv:overlap=false counts 1 and divides by full on one. The thread count each run used is
+    the one set around its steps."""
+    model, tok = smollm2
+    monkeypatch.setattr(bench, "load_model", lambda args: (model, tok))
+    seen, real_decode = [], bench.decode_one_token
+
+    def recording_decode(model, token, position, policy):
+        seen.append((policy.name, getattr(policy, "overlap", None), torch.get_num_threads()))
+        return real_decode(model, token, position, policy)
+
+    monkeypatch.setattr(bench, "decode_one_token", recording_decode)
+    out = tmp_path / "speed.json"
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    spec = "freekv:page_size=8,budget=48,sink=8,window=8"
+    args = parser.parse_args(["--threads", "1", "--lockstep", "--prompt-lengths", "120", "--new-tokens", "4",
+                              "--full-threads", "1", "2", "--policy", f"{spec},overlap=false", "--policy", spec,
+                              "--json", str(out)])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert bench.policy_runs(args) == [f"{spec},overlap=false", spec, "full", "full@2"]
+        assert bench.run(args) == 0
+    finally:
+        torch.set_num_threads(before)
+    rows = {r["policy"]: r for r in json.loads(out.read_text())["rows"]}
+    assert {p: r["threads"] for p, r in rows.items()} == {f"{spec},overlap=false": 1, spec: 2, "full": 1, "full@2": 2}
+    assert rows[spec]["tpot_vs_base"] == pytest.approx(rows[spec]["tpot_s"] / rows["full@2"]["tpot_s"])
+    sync = rows[f"{spec},overlap=false"]
+    assert sync["tpot_vs_base"] == pytest.approx(sync["tpot_s"] / rows["full"]["tpot_s"])
+    assert {(name, overlap, n) for name, overlap, n in seen} == {("freekv", False, 1), ("freekv", True, 1),
+                                                                  ("full", None, 1), ("full", None, 2)}
+
+
+def test_full_threads_below_one_is_refused():
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    with pytest.raises(ValueError, match="--full-threads must be >= 1"):
+        bench.check(parser.parse_args(["--full-threads", "0"]))

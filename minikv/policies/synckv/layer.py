@@ -59,6 +59,7 @@ class SyncKVLayer(LayerKV):
         self.T = self.length = self.step = 0
         self.start = 0  # the recent window is tokens [start, length); tokens before it are candidates
         self.anticipations = self.fetched = 0  # tokens copied host -> device, per NR-head
+        self.pending = None  # the last anticipation's top-k on the worker, until fetch_dynamic joins it
 
     # -- where tokens are ----------------------------------------------------------------------
     def window_tokens(self) -> range:
@@ -155,6 +156,7 @@ class SyncKVLayer(LayerKV):
 
     def decode(self, q, k, v, positions):
         # q (1, Hq, 1, D); k, v (1, Hkv, 1, D)
+        self.fetch_dynamic()  # the last anticipation's sets land before anything touches the store
         self.append(k, v)
         L, backend = self.length, self.policy.backend
         q1 = q[:, :, 0]  # (1, Hq, D)
@@ -205,16 +207,32 @@ class SyncKVLayer(LayerKV):
 
     def anticipate(self, q_r, lse_r):
         """Eqs. 5-7: each R-head's top k_dyn among the tokens before the window, not static, then
-        fetch."""
+        fetch. The top-k runs on the policy's worker (overlap=true) while the model computes the
+        next layers: it reads the R-heads' keys and `selectable` before `start`, which nothing
+        writes before fetch_dynamic, the join, at this layer's next step."""
         # q_r (1, Hr*G, D); lse_r (1, Hr*G): this step's R-head queries and their normalisers
-        n = self.start  # the candidates: tokens [0, start), all in the bank
         self.anticipations += 1
         if self.k_dyn == 0:  # rho = 1: no dynamic set to choose
             return
+        worker = self.policy.worker
+        self.pending = worker.submit(self.top_dynamic, q_r.clone(), lse_r.clone(), self.start)
+        if not worker.background:  # the synchronous form: the sets change at this step, as Algorithm 1 writes it
+            self.fetch_dynamic()
+
+    def top_dynamic(self, q_r, lse_r, n: int) -> list[list[int]]:
+        """Eq. 6: per cluster (R-head), the k_dyn selectable tokens among [0, n) of most attention."""
         _, top = attention_topk(q_r, self.kr[:, :, :n], lse_r, torch.tensor([n], device=q_r.device),
                                 self.selectable[:, :, :n], self.k_dyn, backend=self.policy.backend)
+        return top[0].tolist()
+
+    def fetch_dynamic(self):
+        """The join of anticipate: the new dynamic sets (the worker's error re-raised here) and
+        their fetch (Eq. 7)."""
+        if self.pending is None:
+            return
+        top, self.pending = self.pending.join(), None
         moves = []  # (cluster, dynamic slot, token)
-        for c, row in enumerate(top[0].tolist()):
+        for c, row in enumerate(top):
             if len(self.clusters[c]) == 1 and not self.union:
                 continue  # a cluster of its R-head alone has nobody to serve
             self.dynamic[c] = held = list(self.dynamic[c])  # a new list: read_dynamic keeps the old one

@@ -19,7 +19,10 @@ NR-heads. Where to read what (Algorithm 1's lines):
                              (SyncKVLayer.read_slots); every m-th step anticipates, the others
                              are suspension steps (Eq. 8, lines 33-35)
     SyncKVLayer.anticipate   Eqs. 5-7, lines 26-31: the R-head's top k_dyn, max-pooled over its
-                             GQA group (App. B.1), among the candidates; `fetch` copies them in
+                             GQA group (App. B.1), among the candidates (top_dynamic, on a worker
+                             thread with overlap=true: the step's q and lse are all it needs, as
+                             Sec. 4.5 overlaps the anticipation's work with the forward); at the
+                             layer's next step fetch_dynamic joins it and `fetch` copies them in
     SyncKV.split             k = budget less the window ring's slots, into static and dynamic
 
 The paper's rules: `synckv:paper` (preset=paper: wide_layers=0, nr_reads=union). Decisions
@@ -48,6 +51,7 @@ from dataclasses import dataclass
 
 from ..base import Policy, param, register
 from ..pool import Staging
+from ..worker import policy_worker
 from .clusters import FORMAT, config_sha256, find_clustering, least_agreeing_layers, read_similarity
 from .layer import SyncKVLayer
 
@@ -100,6 +104,9 @@ class SyncKV(Policy):
                                 "whose heads agree least (lowest mean similarity S between heads, Eq. 2); capped "
                                 "by the model's layers; 0: N_r clusters in every layer, as the paper", low=0)
     wide_n_r: int = param(0, "clusters per layer in the wide layers (0: one per KV head, full KV there)", low=0)
+    overlap: bool = param(False, "anticipation's selection on a worker thread while the model computes the next "
+                                 "layers (backend=eager; reference and triton stay synchronous): one more thread, "
+                                 "the same tokens")
     nr_reads: str = param("cluster", "what a non-representative head reads besides the window: its own cluster's "
                                      "static and dynamic sets (cluster) or the union over every cluster's "
                                      "(union: Algorithm 1 lines 23-24)", choices=("cluster", "union"))
@@ -159,6 +166,8 @@ class SyncKV(Policy):
         n_sets = max(len(layer["clusters"]) for layer in self.clustering) if self.nr_reads == "union" else 1
         rows = n_nr * n_sets * self.k_dyn
         self.staging = Staging((2 * max(1, rows), self.cfg.head_dim), self.dtype, self.tiers) if self.offload else None
+        # anticipation's top-k on a worker thread (policies/worker.py), backend=eager only (as freekv's)
+        self.worker = policy_worker(self, self.overlap and self.anticipation and self.backend == "eager")
 
     def make_layer(self, index: int) -> SyncKVLayer:
         return SyncKVLayer(self, index)
@@ -167,6 +176,8 @@ class SyncKV(Policy):
         return self.staging.nbytes() if self.staging is not None else (0, 0)
 
     def stats(self) -> dict:
+        for layer in self.layers:
+            layer.fetch_dynamic()  # the last anticipation's fetch, counted
         s = super().stats()
         layers = self.layers
         n_ant = sum(layer.anticipations for layer in layers)
