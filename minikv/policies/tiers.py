@@ -18,6 +18,8 @@ staging buffer is refilled while a copy still reads it:
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 
@@ -45,7 +47,13 @@ class Tiers:
         self.pin = self.device.type == "cuda"
         self.bytes_to_host = 0
         self.bytes_to_device = 0
+        self._counting = threading.Lock()  # a policy's worker thread copies too (freekv's rescore)
         self.use_streams(CudaStreams(self.device) if self.device.type == "cuda" else None)
+
+    def _count(self, to_host: int = 0, to_device: int = 0) -> None:
+        with self._counting:  # `+=` on an attribute is not atomic between threads
+            self.bytes_to_host += to_host
+            self.bytes_to_device += to_device
 
     def use_streams(self, streams) -> None:
         """CUDA's stream API, a recorder in tests, or None: every copy in order (the CPU)."""
@@ -62,14 +70,14 @@ class Tiers:
     # machine it is already the copy and is handed over as is; otherwise a real copy is made,
     # even when the device is the CPU. Bytes are counted either way.
     def to_host(self, t: torch.Tensor, fresh: bool = False) -> torch.Tensor:
-        self.bytes_to_host += _nbytes(t)
+        self._count(to_host=_nbytes(t))
         if self.pin:  # blocking: the caller reads the result on the host right away
             out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
             return out.copy_(t)
         return t if fresh and t.device.type == "cpu" else t.to("cpu", copy=True)
 
     def to_device(self, t: torch.Tensor, fresh: bool = False) -> torch.Tensor:
-        self.bytes_to_device += _nbytes(t)
+        self._count(to_device=_nbytes(t))
         if fresh and t.device == self.device:
             return t
         return t.to(self.device, non_blocking=self.pin, copy=True)
@@ -77,13 +85,13 @@ class Tiers:
     def write_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """src (on the device) into dst, a view of preallocated host memory; blocking."""
         dst.copy_(src)
-        self.bytes_to_host += _nbytes(src)
+        self._count(to_host=_nbytes(src))
 
     def gather_to_device(self, src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
         """out = src[rows]: host rows straight into device rows, one pass over the bytes (for
         when both tiers are CPU memory: no temporary in between)."""
         torch.index_select(src, 0, rows, out=out)
-        self.bytes_to_device += _nbytes(out)
+        self._count(to_device=_nbytes(out))
 
     def copy_in(self, staging, gather, scatter, into, background: bool = False) -> None:
         """A recall. gather(buffer) fills the first rows of a pinned staging buffer on the host and
@@ -97,7 +105,7 @@ class Tiers:
             rows = gather(staging.host[buf])
             if self.device.type != "cpu":
                 rows = staging.dev[buf][:len(rows)].copy_(rows)
-            self.bytes_to_device += _nbytes(rows)
+            self._count(to_device=_nbytes(rows))
             scatter(rows)
             return
         S, free, ready = self.streams, self._event(staging, buf), self._event(into)
@@ -113,7 +121,7 @@ class Tiers:
             scatter(dev)
             free.record(stream)
             ready.record(stream)
-        self.bytes_to_device += _nbytes(rows)
+        self._count(to_device=_nbytes(rows))
 
     def wait(self, into) -> None:
         """Before attention reads `into`: the current stream waits for the last copy_in into it
