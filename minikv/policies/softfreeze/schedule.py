@@ -52,7 +52,8 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     Hq, D = q.shape[1], q.shape[2]
     Hkv = k.shape[1]
     qg = q[0].float().reshape(Hkv, Hq // Hkv, D)  # query heads grouped by the KV head they read
-    return torch.softmax(torch.bmm(qg, k[0].float().transpose(1, 2)) / D**0.5, dim=-1)
+    scores = torch.bmm(qg, k[0].float().transpose(1, 2)).div_(D**0.5)  # (Hkv, G, |A|), in place: the same bits
+    return torch.softmax(scores, dim=-1)
 
 
 def freeze_duration(c: torch.Tensor, k: float) -> torch.Tensor:
