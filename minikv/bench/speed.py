@@ -75,7 +75,8 @@ def add_arguments(p) -> None:
     p.add_argument("--lockstep", action="store_true",
                    help="one shared prefill, then every policy decodes step by step in turn (no TTFT per policy)")
     p.add_argument("--png", default=None, metavar="FILE",
-                   help="plot TPOT against prompt length, one line per policy (needs matplotlib)")
+                   help="plot TPOT / full KV's TPOT (the baseline's, same run) against prompt length, one line "
+                        "per policy (needs matplotlib)")
 
 
 def summarize(runs: list[dict], new_tokens: int) -> dict:
@@ -286,7 +287,8 @@ def run(args) -> int:
                        ("peak device tokens", "device_tokens_peak", ".0f"), ("select+recall share", "overhead_share", ".2f")],
                 title=f"read bandwidth {read_bw / 1e9:.1f} GB/s, {environment_line(model)}")
     if args.png:
-        plot_context(rows, policies, args.png, title=f"{args.model}, {environment_line(model)}, {args.new_tokens} new tokens")
+        plot_context(rows, policies, args.png, title=f"{args.model}, {environment_line(model)}, {args.new_tokens} new tokens",
+                     base=base)
     write_json(args.json, {"benchmark": "speed", "model": args.model, "new_tokens": args.new_tokens,
                            "baseline": base, "read_bandwidth_gb_s": read_bw / 1e9,
                            "compiled": getattr(model, "compiled", None) is not None, "rows": rows})
@@ -299,19 +301,34 @@ def environment_line(model) -> str:
     return f"{str(model.dtype).replace('torch.', '')}, {where}{compiled}"
 
 
-def plot_context(rows: list[dict], policies: list[str], path: str, title: str) -> None:
-    """TPOT against prompt length, one line per policy (matplotlib, imported only here)."""
+def ratio_curves(rows: list[dict], policies: list[str], base: str) -> dict[str, tuple[list[int], list[float]]]:
+    """What the figure plots: for each policy, (prompt lengths, TPOT / the baseline's TPOT at that
+    length), the baseline's measured in the same run (with --lockstep, step by step beside it),
+    so a change of the machine's load between lengths cancels. The baseline is 1.0 throughout."""
+    base_tpot = {r["prompt_tokens"]: r["tpot_s"] for r in rows if r["policy"] == base}
+    curves = {}
+    for policy in policies:
+        mine = [r for r in rows if r["policy"] == policy and r["prompt_tokens"] in base_tpot]
+        curves[policy] = ([r["prompt_tokens"] for r in mine], [r["tpot_s"] / base_tpot[r["prompt_tokens"]] for r in mine])
+    return curves
+
+
+def plot_context(rows: list[dict], policies: list[str], path: str, title: str, base: str | None = None) -> None:
+    """TPOT as a ratio to the baseline's (full KV's) against prompt length, one line per policy,
+    the baseline the 1.0 line (ratio_curves; matplotlib, imported only here). The table keeps
+    the milliseconds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    base = base or baseline_policy(policies)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for policy in policies:
-        mine = [r for r in rows if r["policy"] == policy]
-        ax.plot([r["prompt_tokens"] for r in mine], [r["tpot_ms"] for r in mine], marker="o", label=policy)
+    for policy, (lengths, ratios) in ratio_curves(rows, policies, base).items():
+        style = dict(color="black", linestyle="--", linewidth=1) if policy == base else dict(marker="o")
+        ax.plot(lengths, ratios, label=f"{policy} (= 1)" if policy == base else policy, **style)
     ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("time per output token, ms")
+    ax.set_ylabel(f"time per output token / {base}'s, same run")
     ax.set_ylim(bottom=0)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)

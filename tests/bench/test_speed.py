@@ -163,3 +163,20 @@ def test_full_threads_below_one_is_refused():
     bench.add_arguments(parser)
     with pytest.raises(ValueError, match="--full-threads must be >= 1"):
         bench.check(parser.parse_args(["--full-threads", "0"]))
+
+
+def test_figure_plots_each_policy_as_a_ratio_to_full_kv_of_the_same_length():
+    """The context figure's data (ratio_curves): TPOT over full KV's at the same prompt length,
+    whatever the absolute times (the machine's load changed between lengths here: full KV took
+    twice as long at 1,000 tokens as at 8,000), full KV the 1.0 line; a length full KV lacks is
+    not plotted."""
+    rows = [dict(policy=p, prompt_tokens=n, tpot_s=t) for p, n, t in [
+        ("full", 1000, 0.400), ("streaming", 1000, 0.420), ("softfreeze", 1000, 0.300),
+        ("full", 8000, 0.200), ("streaming", 8000, 0.080), ("softfreeze", 8000, 0.250),
+        ("streaming", 16000, 0.1)]]
+    curves = bench.ratio_curves(rows, ["streaming", "full", "softfreeze"], "full")
+    assert list(curves) == ["streaming", "full", "softfreeze"]
+    assert curves["full"] == ([1000, 8000], [1.0, 1.0])
+    assert curves["streaming"][0] == [1000, 8000]
+    assert curves["streaming"][1] == pytest.approx([1.05, 0.4])
+    assert curves["softfreeze"][1] == pytest.approx([0.75, 1.25])

@@ -10,6 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minikv.testing import assert_close
+
 from ..fixtures import DEVICE
 from .test_softfreeze import TINY, Driver, script_relevance
 
@@ -31,6 +33,8 @@ def assert_same(fast, ref, where: str) -> None:
         assert torch.equal(a.counts(), b.counts()), f"{at}: counts c_j"
         assert torch.equal(a.frozen_at[: a.n_tok], b.frozen_at[: b.n_tok]), f"{at}: freeze steps"
         assert (a.freezes, a.thaws, a.n_frozen) == (b.freezes, b.thaws, b.n_frozen), f"{at}: counters"
+    # follow's restores, done inside the fast form's schedule, counted as the reference counts them
+    assert fast.policy.counters["followed"] == ref.policy.counters["followed"], f"{where}: followed"
     fast.check_invariants()  # K/V bit for bit against what was fed, on the right tier
     ref.check_invariants()
 
@@ -128,3 +132,25 @@ def test_appended_slots_read_as_written():
         assert torch.equal(lazy.slots[:, l, :n], eager.slots[:, l, :n])
         assert torch.equal(lazy.kv[l, :n], eager.kv[l, :n])
     assert not lazy.appended
+
+
+@settings(max_examples=20, deadline=None)
+@given(Hkv=st.sampled_from([1, 2, 3]), G=st.sampled_from([1, 3]), D=st.sampled_from([8, 16, 48, 64]),
+       A=st.integers(1, 300), scale=st.sampled_from([0.1, 1.0, 8.0]), seed=st.integers(0, 2**16))
+def test_one_pass_attention_score_equals_the_reference_pair(Hkv, G, D, A, scale, seed):
+    """The fast layer's lines 1-2 with score=attention (layer_fast.attention_with_share: one
+    product with K) give the reference's score bit for bit (schedule.attention_share, which reads
+    K again) and the attention the kernel's reference computes, on strided slot views as the fast
+    layer reads them."""
+    from minikv.kernels.attention_relevance import attention_relevance
+    from minikv.policies.softfreeze.layer_fast import attention_with_share
+    from minikv.policies.softfreeze.schedule import attention_share
+
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(A + 5, 2, Hkv, D, generator=g) * scale  # (slots, 2, Hkv, D) as FreezeTiers holds them
+    k, v = kv[:A, 0].transpose(0, 1)[None], kv[:A, 1].transpose(0, 1)[None]  # (1, Hkv, A, D) views
+    q = torch.randn(1, Hkv * G, D, generator=g) * scale
+    out, s = attention_with_share(q, k, v)
+    assert torch.equal(s, attention_share(q, k))
+    expected, _ = attention_relevance(q, k, v, None, backend="eager")
+    assert_close(out, expected, torch.float32)

@@ -7,8 +7,19 @@ import torch
 
 from ...kernels.attention_relevance import attention_relevance
 from ..base import LayerKV, dense_attention
-from .schedule import attention_share
+from .schedule import attention_share, attention_weights
 from .schedule_fast import NOT_FROZEN
+
+
+def attention_with_share(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lines 1-2 with score="attention" in one pass over K: the softmax weights that
+    schedule.attention_share scores by are the attention's own, so out = weights . V and s_j =
+    |A| * max_h weight_hj come from one product with K (attention_relevance's Eq. 2 is not
+    needed, nor a second product for the score). q (1, Hq, D); k, v (1, Hkv, |A|, D) -> out
+    (1, Hq, D) in q's dtype, s (|A|,) float32."""
+    p = attention_weights(q, k)  # (Hkv, G, |A|)
+    out = torch.bmm(p, v[0].float()).view(q.shape)  # (Hkv, G, D) -> (1, Hq, D)
+    return (out if out.dtype == q.dtype else out.to(q.dtype)), p.amax(dim=(0, 1)) * p.shape[2]
 
 
 def _stacked(name: str, doc: str):
@@ -67,10 +78,11 @@ class FastAlgorithm1Layer(LayerKV):
         growth: this runs 30 times a step, and fresh views cost more than the product)."""
         state, l = self.state, self.index
         a = state.n_act[l]
-        k = state.k_of[l].narrow(2, 0, a)
-        out, s = attention_relevance(q, k, state.v_of[l].narrow(2, 0, a), None,
-                                     backend=self.policy.backend)  # None: all a slots
-        # score="attention" reads K a second time (the kernel computes Eq. 2 only)
+        k, v = state.k_of[l].narrow(2, 0, a), state.v_of[l].narrow(2, 0, a)
+        if self.policy.score == "attention" and self.policy.backend == "eager":
+            return attention_with_share(q, k, v)
+        out, s = attention_relevance(q, k, v, None, backend=self.policy.backend)  # None: all a slots
+        # score="attention" on triton reads K a second time (the kernel computes Eq. 2 only)
         return out, (attention_share(q, k) if self.policy.score == "attention" else s[0])
 
     def device_tokens(self) -> int:

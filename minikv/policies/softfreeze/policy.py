@@ -164,14 +164,14 @@ class SoftFreeze(RecoveryLadder, Policy):
     def freeze_and_thaw(self, scores: list[torch.Tensor], now: int) -> None:
         """Lines 3-15 of Algorithm 1 in every layer, on the s_j (Eq. 2) its attention gave in
         this forward: scores[l] over layer l's active tokens (benchmarks watch this call)."""
+        if self.state is not None:  # the same step for all layers at once, follow's restores in it
+            self.counters["followed"] += self.state.schedule_all(scores, now, self.follow_weight)
+            return
         # follow: the tokens a head read this step, taken before the schedule moves any
         read = None if not self.follow_weight else [layer.active_tokens()[s >= self.follow_weight * len(s)]
                                                     for layer, s in zip(self.layers, scores)]
-        if self.state is None:
-            for layer, s in zip(self.layers, scores):
-                layer.step(s, now)
-        else:  # the same step for all layers at once
-            self.state.schedule_all(scores, now)
+        for layer, s in zip(self.layers, scores):
+            layer.step(s, now)
         if read is not None:
             self.thaw_successors(read)
 

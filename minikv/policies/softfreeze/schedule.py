@@ -42,11 +42,18 @@ def attention_share(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     spread (1 = the mean weight). Eq. 2's |q_h . k_j| ranks the other way on SmolLM2 (the keys a
     head ignores have large negative q.k; docs/softfreeze.md), and a mean over heads freezes for
     all what one head needs. q (1, Hq, D), k (1, Hkv, |A|, D) -> (|A|,) float32."""
+    p = attention_weights(q, k)  # (Hkv, G, |A|)
+    return p.amax(dim=(0, 1)) * p.shape[2]
+
+
+def attention_weights(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """softmax_h(q_h . k_j / sqrt(D)) of every query head h, grouped by the KV head it reads:
+    q (1, Hq, D), k (1, Hkv, |A|, D) -> (Hkv, Hq / Hkv, |A|) float32."""
     Hq, D = q.shape[1], q.shape[2]
-    Hkv, A = k.shape[1], k.shape[2]
+    Hkv = k.shape[1]
     qg = q[0].float().reshape(Hkv, Hq // Hkv, D)  # query heads grouped by the KV head they read
-    p = torch.softmax(torch.bmm(qg, k[0].float().transpose(1, 2)) / D**0.5, dim=-1)  # (Hkv, G, |A|)
-    return p.amax(dim=(0, 1)) * A
+    scores = torch.bmm(qg, k[0].float().transpose(1, 2)).div_(D**0.5)  # (Hkv, G, |A|), in place: the same bits
+    return torch.softmax(scores, dim=-1)
 
 
 def freeze_duration(c: torch.Tensor, k: float) -> torch.Tensor:

@@ -180,9 +180,10 @@ class FreezeTiers:
         self.next_thaw = int(self.thaw_at[:, : max(self.n_tok)].min()) if any(self.n_frozen) else NOT_FROZEN
         return r
 
-    def schedule_all(self, scores: list[torch.Tensor], now: int) -> None:
-        """Algorithm1Layer.step(scores[l], now) for every layer l, as one step over stacked tensors.
-        scores[l] (n_act[l],): layer l's s_j over its active slots."""
+    def schedule_all(self, scores: list[torch.Tensor], now: int, follow: float = 0.0) -> int:
+        """Algorithm1Layer.step(scores[l], now) for every layer l, as one step over stacked tensors,
+        then SoftFreeze.thaw_successors with weight `follow` (0: off) in the same restore; returns
+        how many tokens follow brought back. scores[l] (n_act[l],): layer l's s_j over its slots."""
         p, L = self.p, self.L
         dev = self.kv.device
         n = torch.tensor(self.n_act, device=dev)  # (L,)
@@ -200,6 +201,9 @@ class FreezeTiers:
         else:
             tau = p.tau
         n_tok = torch.tensor(self.n_tok, device=dev)[:, None]
+        # follow: the tokens some head weighed >= follow, read before the freezes move any slot;
+        # the threshold follow * |A| in float64, then float32 as the reference's scalar compares
+        read = self._successors(S >= (n.double() * follow).float()[:, None], active, n_tok) if follow else None
         # line 3: outside the sliding window of the last K tokens, below tau
         low = (S < tau) & active & (self.slot_tok[:, :A] < n_tok - p.window)  # (L, A)
         if p.history is None:
@@ -229,22 +233,43 @@ class FreezeTiers:
             self._freeze_all(at, key)  # line 7
             self._close_holes(freeze, active, n - f)
         m = n - f  # (L,) active tokens after the freezes
+        # lines 10-14: the frozen tokens whose timer has run out (due), and follow's successors
+        # still frozen after them; one restore, layer by layer in token order
+        T = max(self.n_tok)
+        thaw_at = self.thaw_at[:, :T]
+        due = thaw_at <= now if now >= self.next_thaw else None  # (L, T)
+        back = due
+        if read is not None:
+            read &= thaw_at != NOT_FROZEN  # the successors frozen, due or not
+            back = read if due is None else read | due
         r = torch.zeros_like(m)
-        if now >= self.next_thaw:
-            # lines 10-14: the frozen tokens whose timer has run out, layer by layer in token order
-            due = self.thaw_at[:, : max(self.n_tok)] <= now  # (L, T)
-            r = due.sum(dim=1)  # (L,)
-            lr, tr = due.nonzero().unbind(1)
+        if back is not None:
+            r = back.sum(dim=1)  # (L,)
+            lr, tr = back.nonzero().unbind(1)
             if len(lr):
                 self._restore_all(lr, tr, m, r)  # line 13
-            self.next_thaw = int(self.thaw_at[:, : max(self.n_tok)].min())
-        n_act, f, r = torch.stack((m + r, f, r)).tolist()
+        thawed = torch.zeros_like(m) if due is None else due.sum(dim=1)  # (L,) line 13's, beside follow's
+        if due is not None:  # (follow's restores alone leave next_thaw a lower bound)
+            self.next_thaw = int(thaw_at.min())
+        n_act, f, thawed, r = torch.stack((m + r, f, thawed, r)).tolist()
         self.n_act = n_act
         for l in range(L):
             self.n_frozen[l] += f[l] - r[l]
             self.freezes[l] += f[l]
-            self.thaws[l] += r[l]
+            self.thaws[l] += thawed[l]
         self.reserve(max(n_act) + 1)  # room for the next decoded token in every layer
+        return sum(r) - sum(thawed)
+
+    def _successors(self, read: torch.Tensor, active: torch.Tensor, n_tok: torch.Tensor) -> torch.Tensor:
+        """(L, T) bool: token j + 1 of layer l for every slot of layer l read (L, A) holding token j
+        (j + 1 < n_tok[l]), T = the most tokens of a layer."""
+        T = max(self.n_tok)
+        succ = self.slot_tok[:, : read.shape[1]] + 1  # (L, A)
+        read &= active & (succ < n_tok)
+        lr, jr = read.nonzero().unbind(1)
+        out = torch.zeros((self.L, T), dtype=torch.bool, device=read.device)
+        out.view(-1).index_fill_(0, lr * T + succ[lr, jr], True)
+        return out
 
     def _rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The stacked buffers seen as rows: kv (L * cap, 2 Hkv D), slots (2, L * cap),
