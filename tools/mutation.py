@@ -43,7 +43,7 @@ SCOPES = {
                [f"{T}/test_synckv_paper.py", f"{T}/test_synckv_clusters.py", f"{T}/test_synckv.py",
                 "-k", "not smollm2"]),
 }
-SCOPES["kernels/page_scores"][1].append("tests/kernels/test_quant2_codes.py")
+SCOPES["kernels/page_scores"][1].extend(["tests/kernels/test_quant2_codes.py", f"{T}/test_freekv_kills.py"])
 GROUPS = {"kernels": [s for s in SCOPES if s.startswith("kernels/")]}
 MUTMUT = [sys.executable, "-m", "mutmut"]
 
@@ -51,27 +51,31 @@ MUTMUT = [sys.executable, "-m", "mutmut"]
 def mutmut_section(modules: list[str], tests: list[str]) -> str:
     toml = lambda xs: "[" + ", ".join(f'"{x}"' for x in xs) + "]"  # noqa: E731
     return (f"\n[tool.mutmut]\nsource_paths = [\"minikv\"]\nonly_mutate = {toml(modules)}\n"
-            f"pytest_add_cli_args = [\"-x\", \"-q\", \"-p\", \"no:cacheprovider\"]\n"
+            f"also_copy = [\"reference\"]\npytest_add_cli_args = [\"-x\", \"-q\", \"-p\", \"no:cacheprovider\"]\n"
             f"pytest_add_cli_args_test_selection = {toml(tests)}\n")
 
 
-def run_scope(scope: str, work: Path, children: int) -> list[str]:
-    """Run mutmut on one scope in its own copy; -> the `name: status` lines of every mutant."""
+def run_scope(scope: str, work: Path, children: int, only: list[str], ignore: list[str]) -> list[str]:
+    """Run mutmut on one scope in its own copy (the mutants matching `only`, if given; the tests
+    less `ignore`); -> the `name: status` lines of the mutants checked, and the survivors' diffs."""
     modules, tests = SCOPES[scope]
+    tests = [t for t in tests if t not in ignore]
     here = work / scope.replace("/", "-")
     shutil.rmtree(here, ignore_errors=True)
     ignore = shutil.ignore_patterns("__pycache__", ".hypothesis")
-    for part in ("minikv", "tests"):
+    for part in ("minikv", "tests", "reference"):  # reference/: the tests' model directories
         shutil.copytree(ROOT / part, here / part, ignore=ignore)
     (here / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text() + mutmut_section(modules, tests))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # mutmut puts its mutants first
     env.update(OMP_NUM_THREADS="1", HYPOTHESIS_PROFILE="ci")
     print(f"== {scope}: {' '.join(modules)} against {' '.join(tests)}", file=sys.stderr, flush=True)
-    subprocess.run([*MUTMUT, "run", "--max-children", str(children)], cwd=here, env=env,
-                   stdout=subprocess.DEVNULL, check=True)
+    with open(here / "mutmut.log", "w") as log:
+        if subprocess.run([*MUTMUT, "run", "--max-children", str(children), *only], cwd=here, env=env, stdout=log,
+                          stderr=subprocess.STDOUT).returncode:
+            sys.exit(f"error: mutmut failed on scope {scope}; its output: {here / 'mutmut.log'}")
     out = subprocess.run([*MUTMUT, "results", "--all", "true"], cwd=here, env=env, capture_output=True,
                          text=True, check=True).stdout
-    lines = [ln.strip() for ln in out.splitlines() if ": " in ln]
+    lines = [ln.strip() for ln in out.splitlines() if ": " in ln and not ln.endswith(": not checked")]
     for name in [ln.split(": ")[0] for ln in lines if not ln.endswith(": killed")]:
         diff = subprocess.run([*MUTMUT, "show", name], cwd=here, env=env, capture_output=True, text=True).stdout
         lines.append("\n" + diff)
@@ -104,6 +108,10 @@ def main() -> int:
     p.add_argument("--work", type=Path, default=Path("/tmp/minikv-mutation"), help="where the copies go")
     p.add_argument("--survivors", type=Path, default=Path("out/mutation-survivors.txt"),
                    help="every mutant's status and the survivors' diffs")
+    p.add_argument("--only", nargs="+", default=[], metavar="GLOB",
+                   help="only the mutants whose names match (mutmut's names, e.g. '*.x_pack_codes__mutmut_*')")
+    p.add_argument("--ignore", nargs="+", default=[], metavar="TEST_FILE",
+                   help="judge without these test files (the run before a kill test)")
     p.add_argument("--children", type=int, default=1, help="mutants run at once (mutmut --max-children)")
     args = p.parse_args()
     scopes = [s for name in args.scopes or list(SCOPES) for s in GROUPS.get(name, [name])]
@@ -116,7 +124,7 @@ def main() -> int:
         for s in scopes:
             print(f"{s}: {' '.join(SCOPES[s][0])} <- {' '.join(SCOPES[s][1])}")
         return 0
-    lines = [ln for s in scopes for ln in run_scope(s, args.work, args.children)]
+    lines = [ln for s in scopes for ln in run_scope(s, args.work, args.children, args.only, args.ignore)]
     args.survivors.parent.mkdir(parents=True, exist_ok=True)
     args.survivors.write_text("\n".join(lines) + "\n")
     print(report(lines))
