@@ -62,9 +62,9 @@ def run_scope(scope: str, work: Path, children: int, only: list[str], ignore: li
     tests = [t for t in tests if t not in ignore]
     here = work / scope.replace("/", "-")
     shutil.rmtree(here, ignore_errors=True)
-    ignore = shutil.ignore_patterns("__pycache__", ".hypothesis")
+    skip = shutil.ignore_patterns("__pycache__", ".hypothesis")
     for part in ("minikv", "tests", "reference"):  # reference/: the tests' model directories
-        shutil.copytree(ROOT / part, here / part, ignore=ignore)
+        shutil.copytree(ROOT / part, here / part, ignore=skip)
     (here / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text() + mutmut_section(modules, tests))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # mutmut puts its mutants first
     env.update(OMP_NUM_THREADS="1", HYPOTHESIS_PROFILE="ci")
