@@ -44,6 +44,7 @@ SCOPES = {
                 "-k", "not smollm2"]),
 }
 SCOPES["kernels/page_scores"][1].extend(["tests/kernels/test_quant2_codes.py", f"{T}/test_freekv_kills.py"])
+SCOPES["kernels/dci_scores"][1].append("tests/kernels/test_dci_scores_kills.py")
 GROUPS = {"kernels": [s for s in SCOPES if s.startswith("kernels/")]}
 MUTMUT = [sys.executable, "-m", "mutmut"]
 
