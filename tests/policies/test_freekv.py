@@ -90,7 +90,10 @@ def corrected_heads(q1, prev, G, tau):
     return cos.view(-1, G).mean(1) < tau
 
 
-def run_against_oracle(case, backend="eager"):
+def run_against_oracle(case, backend="eager", oracle=None):
+    """Run the policy on random q, k, v and check every decode step against `oracle` (default
+    oracle_pages): the pages it reads, its attention output and its own account of both."""
+    oracle = oracle or oracle_pages
     cfg = case["cfg"]
     # the policy on the test device, the oracle on the CPU: inputs go there, outputs come back
     policy = make(spec_of(case, backend)).bind(cfg, device=DEVICE, dtype=torch.float32, max_len=80)
@@ -122,7 +125,7 @@ def run_against_oracle(case, backend="eager"):
             else:
                 fresh = corrected_heads(q1, prev_q[i], G, tau)
             args = (keys[i], P, n_sink, n_window, K, case["group_reduce"], case["digest"])
-            pages = torch.where(fresh[:, None], oracle_pages(q1, *args), oracle_pages(prev_q[i], *args))
+            pages = torch.where(fresh[:, None], oracle(q1, *args), oracle(prev_q[i], *args))
             L = keys[i].shape[2]
             toks = visible_tokens(pages, L, P, n_sink, n_window)
             # group-consistent: every query head of group m reads toks[m], and nothing else

@@ -1,0 +1,85 @@
+"""freekv against an oracle with its own page digest and page score (docs/mutation.md): the oracle
+of test_freekv.py ranks pages with the library's page_digest, pack_codes and page_scores, so a
+formula bug they share passes it. Here every formula is written out from its definition, in
+float64, and nothing of minikv's digests or scores is used:
+
+    minmax, quant2   lo = min_t k_t, hi = max_t k_t                 (Quest's box, per channel)
+    arkvale          c = (lo + hi) / 2, r = mean_t |k_t - c|, box [c - r, c + r]   (ArkVale's cuboid)
+    bound            P_h[n] = sum_d max(q_d lo_d, q_d hi_d)
+    quant2           k^_t = lo + c_t (hi - lo) / 3 with c_t the nearest of the 4 levels,
+                     P_h[n] = (1 / s) log sum_t exp(s q . k^_t)
+    group reduce     softmax_mean 1/G sum_j softmax(s P_j), mean 1/G sum_j P_j, max max_j P_j
+
+then the top K per KV head, ties to the lower page. The cases are fixed (not drawn): a near-tie
+between two pages could rank differently in float64 and in the policy's float32."""
+import pytest
+import torch
+
+from minikv.config import ModelConfig
+
+from .test_freekv import run_against_oracle
+
+
+def own_box(pages: torch.Tensor, digest: str):
+    """pages (Hkv, n, P, D) float64 -> lo, hi (Hkv, n, D)."""
+    lo, hi = pages.min(2).values, pages.max(2).values
+    if digest == "arkvale":
+        centre = (lo + hi) / 2
+        radius = (pages - centre[:, :, None]).abs().mean(2)
+        lo, hi = centre - radius, centre + radius
+    return lo, hi
+
+
+def own_weights(qg: torch.Tensor, pages, lo, hi, digest: str, s: float) -> torch.Tensor:
+    """P_h[n] for the G query heads qg (G, D) of one KV head: pages (n, P, D), lo, hi (n, D) -> (G, n)."""
+    if digest != "quant2":
+        return torch.maximum(qg[:, None] * lo, qg[:, None] * hi).sum(-1)
+    width = (hi - lo)[:, None]  # (n, 1, D)
+    levels = lo[:, None, :, None] + torch.arange(4.0, dtype=torch.float64) * width[..., None] / 3  # (n, 1, D, 4)
+    c = (pages[..., None] - levels).abs().argmin(-1)  # (n, P, D): the nearest level
+    k_hat = lo[:, None] + c * width / 3
+    return torch.logsumexp(s * torch.einsum("gd,npd->gnp", qg, k_hat), -1) / s
+
+
+def own_oracle(q, keys, P, n_sink, n_window, K, group_reduce="softmax_mean", digest="minmax"):
+    """oracle_pages' contract (q (1, Hq, D), keys (1, Hkv, L, D) -> (Hkv, K), -1 pads), own formulas."""
+    Hkv, L, D = keys.shape[1], keys.shape[2], keys.shape[3]
+    n_cand = max(0, -(-L // P) - n_sink - n_window)
+    out = torch.full((Hkv, K), -1)
+    if n_cand == 0:
+        return out
+    pages = keys[0, :, n_sink * P:(n_sink + n_cand) * P].double().reshape(Hkv, n_cand, P, D)
+    lo, hi = own_box(pages, digest)
+    G, s = q.shape[1] // Hkv, D ** -0.5
+    for m in range(Hkv):
+        w = own_weights(q[0, m * G:(m + 1) * G].double(), pages[m], lo[m], hi[m], digest, s)  # (G, n)
+        score = {"softmax_mean": lambda: torch.softmax(s * w, -1).mean(0), "mean": lambda: w.mean(0),
+                 "max": lambda: w.max(0).values}[group_reduce]()
+        top = sorted(range(n_cand), key=lambda n: (-float(score[n]), n))[:K]
+        out[m, :len(top)] = torch.tensor(top)
+    return out
+
+
+def case(digest, group_reduce, mode, seed):
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=48, intermediate_size=64, n_layers=1,
+                      n_heads=4, n_kv_heads=2, head_dim=16, max_position_embeddings=4096, rotary_dim=8)
+    P = 4
+    return dict(P=P, sink=P, window=P, budget=(1 + 1 + 1 + 2) * P, cfg=cfg, T=24, steps=6, mode=mode,
+                group_reduce=group_reduce, digest=digest, seed=seed)
+
+
+@pytest.mark.parametrize("group_reduce", ["softmax_mean", "mean", "max"])
+@pytest.mark.parametrize("digest", ["minmax", "arkvale", "quant2"])
+def test_selection_matches_an_oracle_with_its_own_digest_and_score(digest, group_reduce):
+    for mode, seed in (("quest", 1), ("mixed", 2)):
+        run_against_oracle(case(digest, group_reduce, mode, seed), oracle=own_oracle)
+
+
+def test_own_oracle_tells_the_digests_apart():
+    """The oracle is not blind to the digest: on the same keys and query, the three digests pick
+    different pages somewhere (else the test above could not see a wrong digest)."""
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, 2, 64, 16, generator=g, dtype=torch.float64) * torch.rand(1, 2, 64, 1, generator=g) * 3
+    picks = {d: [own_oracle(torch.randn(1, 4, 16, generator=g.manual_seed(i), dtype=torch.float64), keys, 4, 1, 2, 3,
+                            digest=d).tolist() for i in range(20)] for d in ("minmax", "arkvale", "quant2")}
+    assert picks["minmax"] != picks["arkvale"] and picks["minmax"] != picks["quant2"]
