@@ -147,9 +147,9 @@ def test_one_pass_attention_score_equals_the_reference_pair(Hkv, G, D, A, scale,
     from minikv.policies.softfreeze.schedule import attention_share
 
     g = torch.Generator().manual_seed(seed)
-    kv = torch.randn(A + 5, 2, Hkv, D, generator=g) * scale  # (slots, 2, Hkv, D) as FreezeTiers holds them
+    kv = (torch.randn(A + 5, 2, Hkv, D, generator=g) * scale).to(DEVICE)  # (slots, 2, Hkv, D) as FreezeTiers holds them
     k, v = kv[:A, 0].transpose(0, 1)[None], kv[:A, 1].transpose(0, 1)[None]  # (1, Hkv, A, D) views
-    q = torch.randn(1, Hkv * G, D, generator=g) * scale
+    q = (torch.randn(1, Hkv * G, D, generator=g) * scale).to(DEVICE)
     out, s = attention_with_share(q, k, v)
     assert torch.equal(s, attention_share(q, k))
     expected, _ = attention_relevance(q, k, v, None, backend="eager")
