@@ -74,6 +74,9 @@ def add_arguments(p) -> None:
                    help="untimed runs before measuring (--lockstep: untimed first decode steps)")
     p.add_argument("--lockstep", action="store_true",
                    help="one shared prefill, then every policy decodes step by step in turn (no TTFT per policy)")
+    p.add_argument("--prefill-threads", type=int, default=None, metavar="N",
+                   help="--lockstep: run the shared prefill on N intra-op threads (it is timed for no policy; "
+                        "default: --threads)")
     p.add_argument("--png", default=None, metavar="FILE",
                    help="plot TPOT / full KV's TPOT (the baseline's, same run) against prompt length, one line "
                         "per policy (needs matplotlib)")
@@ -107,6 +110,8 @@ def check(args) -> None:
         raise ValueError(f"prompt lengths must be >= 1, got {args.prompt_lengths}")
     if args.full_threads and min(args.full_threads) < 1:
         raise ValueError(f"--full-threads must be >= 1, got {args.full_threads}")
+    if args.prefill_threads is not None and (args.prefill_threads < 1 or not args.lockstep):
+        raise ValueError(f"--prefill-threads must be >= 1 and goes with --lockstep, got {args.prefill_threads}")
 
 
 def policy_runs(args) -> list[str]:
@@ -206,15 +211,21 @@ def lockstep_prefill(model, ids: list[int], specs: list[str], new_tokens: int) -
     return policies, [first.argmax(-1) for first in logits]
 
 
-def lockstep_runs(model, ids: list[int], specs: list[str], new_tokens: int, warmup: int = 1) -> dict[str, dict]:
-    """Prefill (lockstep_prefill), then greedy decoding of every policy in lockstep -> {spec: stats}
-    with tpot_s the mean step time, token_ids the new_tokens tokens, and the policy's own stats.
-    The first `warmup` steps are not timed (at least one step is): they compile the kernels of
-    the length's buckets (Triton's JIT, kernels/launch.py) and fill caches."""
+def lockstep_runs(model, ids: list[int], specs: list[str], new_tokens: int, warmup: int = 1,
+                  prefill_threads: int | None = None) -> dict[str, dict]:
+    """Prefill (lockstep_prefill, on `prefill_threads` intra-op threads: it is timed for no
+    policy), then greedy decoding of every policy in lockstep -> {spec: stats} with tpot_s the
+    mean step time, token_ids the new_tokens tokens, and the policy's own stats. The first
+    `warmup` steps are not timed (at least one step is): they compile the kernels of the length's
+    buckets (Triton's JIT, kernels/launch.py) and fill caches."""
     warmup = min(warmup, new_tokens - 2)
     before = torch.get_num_threads()
     intra = [split_threads(spec, before)[1] for spec in specs]  # each policy's intra-op threads
-    policies, token = lockstep_prefill(model, ids, specs, new_tokens)
+    torch.set_num_threads(prefill_threads or before)
+    try:
+        policies, token = lockstep_prefill(model, ids, specs, new_tokens)
+    finally:
+        torch.set_num_threads(before)
     times = [[] for _ in specs]
     produced = [[int(t)] for t in token]
     totals = [{} for _ in specs]
@@ -255,7 +266,7 @@ def run(args) -> int:
         ids = text_ids(tokenizer, n)
         if args.lockstep:
             print(f"prompt {n}: lockstep", file=sys.stderr)
-            found = lockstep_runs(model, ids, policies, args.new_tokens, args.warmup)
+            found = lockstep_runs(model, ids, policies, args.new_tokens, args.warmup, args.prefill_threads)
             runs = {policy: [found[policy]] for policy in policies}
         else:
             runs = {policy: [] for policy in policies}

@@ -180,3 +180,40 @@ def test_figure_plots_each_policy_as_a_ratio_to_full_kv_of_the_same_length():
     assert curves["streaming"][0] == [1000, 8000]
     assert curves["streaming"][1] == pytest.approx([1.05, 0.4])
     assert curves["softfreeze"][1] == pytest.approx([0.75, 1.25])
+
+
+def test_the_lockstep_prefill_runs_on_prefill_threads_and_decoding_on_each_policys(smollm2, monkeypatch):
+    """--prefill-threads 2 with --threads 1: the shared prefill (timed for no policy) on two
+    intra-op threads, every decode step on the policy's own count, and the count before comes back."""
+    model, tok = smollm2
+    seen, real_prefill, real_decode = [], bench.shared_prefill, bench.decode_one_token
+
+    def recording_prefill(*args, **kwargs):
+        seen.append(("prefill", torch.get_num_threads()))
+        return real_prefill(*args, **kwargs)
+
+    def recording_decode(model, token, position, policy):
+        seen.append((policy.name, torch.get_num_threads()))
+        return real_decode(model, token, position, policy)
+
+    monkeypatch.setattr(bench, "shared_prefill", recording_prefill)
+    monkeypatch.setattr(bench, "decode_one_token", recording_decode)
+    ids = bench.text_ids(tok, 40)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        found = bench.lockstep_runs(model, ids, ["full", "full@2"], new_tokens=3, warmup=0, prefill_threads=2)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert seen[0] == ("prefill", 2)
+    assert sorted(set(seen[1:])) == [("full", 1), ("full", 2)]
+    assert found["full"]["token_ids"] == found["full@2"]["token_ids"]
+
+
+def test_prefill_threads_go_with_lockstep():
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    for argv in (["--prefill-threads", "2"], ["--lockstep", "--prefill-threads", "0"]):
+        with pytest.raises(ValueError, match="--prefill-threads must be >= 1 and goes with --lockstep"):
+            bench.check(parser.parse_args(argv))
