@@ -138,9 +138,15 @@ def split_threads(spec: str, default: int) -> tuple[str, int]:
 
 def same_threads_baseline(rows: list[dict], row: dict, base: str) -> dict:
     """The row a row's ratio divides by: the `full` run on as many threads (a policy with a worker
-    against full KV on its threads plus one), else the baseline policy's row."""
-    fair = [r for r in rows if r["threads"] == row["threads"] and split_threads(r["policy"], 1)[0].split(":")[0].strip() == "full"]
-    return fair[0] if fair else next(r for r in rows if r["policy"] == base)
+    against full KV on its threads plus one), else the `full` run on the most threads below the
+    row's (a policy that oversubscribes the cores against full KV on them), else the baseline
+    policy's row."""
+    full = [r for r in rows if split_threads(r["policy"], 1)[0].split(":")[0].strip() == "full"]
+    same = [r for r in full if r.get("threads") == row.get("threads")]
+    if same:
+        return same[0]
+    fewer = [r for r in full if None not in (r.get("threads"), row.get("threads")) and r["threads"] < row["threads"]]
+    return max(fewer, key=lambda r: r["threads"]) if fewer else next(r for r in rows if r["policy"] == base)
 
 
 def baseline_policy(policies: list[str]) -> str:
@@ -315,12 +321,17 @@ def environment_line(model) -> str:
 def ratio_curves(rows: list[dict], policies: list[str], base: str) -> dict[str, tuple[list[int], list[float]]]:
     """What the figure plots: for each policy, (prompt lengths, TPOT / the baseline's TPOT at that
     length), the baseline's measured in the same run (with --lockstep, step by step beside it),
-    so a change of the machine's load between lengths cancels. The baseline is 1.0 throughout."""
-    base_tpot = {r["prompt_tokens"]: r["tpot_s"] for r in rows if r["policy"] == base}
+    so a change of the machine's load between lengths cancels; the baseline is full KV on as many
+    threads where the run has it (same_threads_baseline), and is 1.0 throughout."""
+    lengths = {r["prompt_tokens"] for r in rows if r["policy"] == base}
     curves = {}
     for policy in policies:
-        mine = [r for r in rows if r["policy"] == policy and r["prompt_tokens"] in base_tpot]
-        curves[policy] = ([r["prompt_tokens"] for r in mine], [r["tpot_s"] / base_tpot[r["prompt_tokens"]] for r in mine])
+        mine = [r for r in rows if r["policy"] == policy and r["prompt_tokens"] in lengths]
+        ratios = []
+        for r in mine:
+            same_length = [o for o in rows if o["prompt_tokens"] == r["prompt_tokens"]]
+            ratios.append(r["tpot_s"] / same_threads_baseline(same_length, r, base)["tpot_s"])
+        curves[policy] = ([r["prompt_tokens"] for r in mine], ratios)
     return curves
 
 
@@ -336,8 +347,9 @@ def plot_context(rows: list[dict], policies: list[str], path: str, title: str, b
     base = base or baseline_policy(policies)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for policy, (lengths, ratios) in ratio_curves(rows, policies, base).items():
-        style = dict(color="black", linestyle="--", linewidth=1) if policy == base else dict(marker="o")
-        ax.plot(lengths, ratios, label=f"{policy} (= 1)" if policy == base else policy, **style)
+        is_base = split_threads(policy, 1)[0] == base
+        style = dict(color="black", linestyle="--", linewidth=1) if is_base else dict(marker="o")
+        ax.plot(lengths, ratios, label=f"{policy} (= 1)" if is_base else policy, **style)
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel(f"time per output token / {base}'s, same run")
     ax.set_ylim(bottom=0)

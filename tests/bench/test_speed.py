@@ -217,3 +217,21 @@ def test_prefill_threads_go_with_lockstep():
     for argv in (["--prefill-threads", "2"], ["--lockstep", "--prefill-threads", "0"]):
         with pytest.raises(ValueError, match="--prefill-threads must be >= 1 and goes with --lockstep"):
             bench.check(parser.parse_args(argv))
+
+
+def test_figure_divides_a_policy_with_a_worker_by_full_kv_on_as_many_threads():
+    rows = [dict(policy=p, prompt_tokens=8000, tpot_s=t, threads=n) for p, t, n in [
+        ("full", 0.300, 1), ("full@2", 0.200, 2), ("freekv", 0.150, 2), ("freekv:overlap=false", 0.240, 1)]]
+    curves = bench.ratio_curves(rows, ["full", "full@2", "freekv", "freekv:overlap=false"], "full")
+    assert curves["full"][1] == [1.0] and curves["full@2"][1] == [1.0]
+    assert curves["freekv"][1] == pytest.approx([0.75])  # against full@2, not full's 0.5
+    assert curves["freekv:overlap=false"][1] == pytest.approx([0.8])
+
+
+def test_a_run_on_more_threads_than_any_full_run_divides_by_full_on_the_most():
+    """freekv on two intra-op threads and its worker (3 threads on a 2-core machine) against full
+    KV on two, not on one."""
+    rows = [dict(policy=p, prompt_tokens=16000, tpot_s=t, threads=n) for p, t, n in [
+        ("full@1", 0.240, 1), ("full", 0.170, 2), ("freekv", 0.210, 3)]]
+    assert bench.same_threads_baseline(rows, rows[2], "full@1")["policy"] == "full"
+    assert bench.ratio_curves(rows, ["freekv"], "full@1")["freekv"][1] == pytest.approx([0.210 / 0.170])
