@@ -22,6 +22,13 @@ def env(**extra) -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), **extra}
 
 
+def as_at_a_terminal() -> None:
+    """The child's Ctrl-C as a terminal delivers it: a harness that runs the tests in the
+    background (bash `cmd &` without job control) hands its children SIGINT ignored, and Python
+    then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def cli(*argv, timeout=180, **kwargs) -> subprocess.CompletedProcess:
     """python -m <argv>, from the repository root; text stdout and stderr."""
     kwargs.setdefault("env", env())
@@ -193,7 +200,7 @@ def test_a_reader_that_stops_reading_ends_the_command_quietly(flags):
 
 def interrupt(argv, after: float, twice: bool) -> subprocess.CompletedProcess:
     p = subprocess.Popen([PYTHON, "-m", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         cwd=ROOT, env=env())
+                         cwd=ROOT, env=env(), preexec_fn=as_at_a_terminal)
     time.sleep(after)
     p.send_signal(signal.SIGINT)
     if twice:
@@ -212,7 +219,7 @@ def test_ctrl_c_while_importing_is_one_line(after, twice):
 def test_two_ctrl_c_while_generating_are_one_line():
     p = subprocess.Popen([PYTHON, "-m", "minikv.generate", "--prompt", "Tell me a story", "--max-new-tokens", "5000",
                           "--ignore-eos", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         cwd=ROOT, env=env())
+                         cwd=ROOT, env=env(), preexec_fn=as_at_a_terminal)
     assert p.stdout.read(1)  # the first token is out: generation runs
     p.send_signal(signal.SIGINT)
     time.sleep(0.05)
