@@ -5,7 +5,8 @@ references and the policies' readable modules, each scope against its own tests 
     python tools/mutation.py kernels streaming    # some scopes: a group name or a module name
     python tools/mutation.py --list               # the scopes, their files and tests
 
-Each scope runs in its own copy of the repository under --work (default /tmp/minikv-mutation),
+Each scope runs in its own copy of the repository under --work (default: minikv-mutation
+in the system's temporary directory, tempfile.gettempdir()),
 whose pyproject.toml gets a [tool.mutmut] section naming the scope's files and tests, so one
 scope's run never reads another's tests. mutmut 3 (the `dev` extra) then runs, for each mutant,
 only the tests that call the mutated function, in a child forked from a process that already
@@ -20,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -106,7 +108,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("scopes", nargs="*", help=f"scopes or groups (default: all); groups: {', '.join(GROUPS)}")
     p.add_argument("--list", action="store_true", help="print the scopes and exit")
-    p.add_argument("--work", type=Path, default=Path("/tmp/minikv-mutation"), help="where the copies go")
+    p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "minikv-mutation",
+                   help="where the copies go (default: minikv-mutation in the temporary directory)")
     p.add_argument("--survivors", type=Path, default=Path("out/mutation-survivors.txt"),
                    help="every mutant's status and the survivors' diffs")
     p.add_argument("--only", nargs="+", default=[], metavar="GLOB",
