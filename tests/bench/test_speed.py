@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from minikv.bench import speed as bench
+from minikv.bench import speed_ratios as ratios
 
 from ..fixtures import DEVICE
 
@@ -174,7 +175,7 @@ def test_figure_plots_each_policy_as_a_ratio_to_full_kv_of_the_same_length():
         ("full", 1000, 0.400), ("streaming", 1000, 0.420), ("softfreeze", 1000, 0.300),
         ("full", 8000, 0.200), ("streaming", 8000, 0.080), ("softfreeze", 8000, 0.250),
         ("streaming", 16000, 0.1)]]
-    curves = bench.ratio_curves(rows, ["streaming", "full", "softfreeze"], "full")
+    curves = ratios.ratio_curves(rows, ["streaming", "full", "softfreeze"], "full")
     assert list(curves) == ["streaming", "full", "softfreeze"]
     assert curves["full"] == ([1000, 8000], [1.0, 1.0])
     assert curves["streaming"][0] == [1000, 8000]
@@ -222,7 +223,7 @@ def test_prefill_threads_go_with_lockstep():
 def test_figure_divides_a_policy_with_a_worker_by_full_kv_on_as_many_threads():
     rows = [dict(policy=p, prompt_tokens=8000, tpot_s=t, threads=n) for p, t, n in [
         ("full", 0.300, 1), ("full@2", 0.200, 2), ("freekv", 0.150, 2), ("freekv:overlap=false", 0.240, 1)]]
-    curves = bench.ratio_curves(rows, ["full", "full@2", "freekv", "freekv:overlap=false"], "full")
+    curves = ratios.ratio_curves(rows, ["full", "full@2", "freekv", "freekv:overlap=false"], "full")
     assert curves["full"][1] == [1.0] and curves["full@2"][1] == [1.0]
     assert curves["freekv"][1] == pytest.approx([0.75])  # against full@2, not full's 0.5
     assert curves["freekv:overlap=false"][1] == pytest.approx([0.8])
@@ -233,5 +234,5 @@ def test_a_run_on_more_threads_than_any_full_run_divides_by_full_on_the_most():
     KV on two, not on one."""
     rows = [dict(policy=p, prompt_tokens=16000, tpot_s=t, threads=n) for p, t, n in [
         ("full@1", 0.240, 1), ("full", 0.170, 2), ("freekv", 0.210, 3)]]
-    assert bench.same_threads_baseline(rows, rows[2], "full@1")["policy"] == "full"
-    assert bench.ratio_curves(rows, ["freekv"], "full@1")["freekv"][1] == pytest.approx([0.210 / 0.170])
+    assert ratios.same_threads_baseline(rows, rows[2], "full@1")["policy"] == "full"
+    assert ratios.ratio_curves(rows, ["freekv"], "full@1")["freekv"][1] == pytest.approx([0.210 / 0.170])
