@@ -14,7 +14,8 @@ except ImportError:
     raise ImportError("minikv.testing needs hypothesis: pip install 'minikv[test]' (or pip install hypothesis)") from None
 
 from .models import FAMILIES, tiny_model
-from .policies import PolicyContractError, check_policy
+from .policies import check_policy
+from .recorder import PolicyContractError
 from .kernels import Case, check, check_kernel, strategies
 from .profiles import PROFILES, load_profile
 from .tolerances import REL_RMS, TOLERANCES, assert_close, default_device, error_report, random_tensor, relative_rms
