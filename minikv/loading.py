@@ -77,7 +77,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
     and the slower one without (AVX512-BF16 alone: decode 1.3-1.4x slower eager; AVX2, converted
     in software: 1.2x slower), though it prefills 1.7-1.9x faster there. The default stays float32
     everywhere so that a greedy generation gives the same tokens on every CPU: `--dtype bfloat16`
-    asks for the speed (README, "Speed")."""
+    asks for the speed (docs/speed.md)."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 

@@ -23,7 +23,7 @@ def add_common_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the numbers to this JSON file")
     p.add_argument("--compile", action="store_true",
-                   help="decode with the compiled step (torch.compile; README, Speed)")
+                   help="decode with the compiled step (torch.compile; docs/speed.md)")
 
 
 def load_model(args):

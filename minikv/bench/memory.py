@@ -48,7 +48,7 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", default=None, help="write the numbers to this file")
-    p.add_argument("--compile", action="store_true", help="decode with the compiled step (torch.compile; README, Speed)")
+    p.add_argument("--compile", action="store_true", help="decode with the compiled step (torch.compile; docs/speed.md)")
 
 
 def run_one(model, tok, spec, args, relevance_log=None) -> dict:

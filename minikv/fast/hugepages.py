@@ -6,7 +6,7 @@ Linux gives huge pages to anonymous private memory advised with MADV_HUGEPAGE (t
 `madvise` setting of /sys/kernel/mm/transparent_hugepage/enabled); PyTorch's allocator advises
 only when THP_MEM_ALLOC_ENABLE=1 is set before torch starts. Measured on a 2-core EPYC, one
 thread: a large sum reads 33 GB/s from huge pages against 22-29 from the allocator's memory; the
-compiled decode step at two threads takes 18 ms against 26 (README, Speed). minikv.fast moves a
+compiled decode step at two threads takes 18 ms against 26 (docs/speed.md). minikv.fast moves a
 loaded model's weights here (`move_parameters`); `empty` serves buffers such as the bandwidth
 probe's. Where the kernel has no transparent huge pages, or the platform no madvise, the memory
 is ordinary pages.

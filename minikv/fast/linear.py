@@ -2,7 +2,7 @@
 plain nn.Linear and StackedLinear, holding the same parameters.
 
 A decode step multiplies one row by each weight, and on the CPU four things make that faster
-than F.linear on the checkpoint's row-major weight (README, Speed):
+than F.linear on the checkpoint's row-major weight (docs/speed.md):
 - eager, float32: the weight stored column-major (`column_major`), which MKL reads 1.4x faster;
 - eager, several threads: the output rows cut into one block per thread, one batched product
   (MKL runs a one-row SGEMM on one thread whatever torch's thread count);

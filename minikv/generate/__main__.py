@@ -61,7 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--compile", action="store_true",
                    help="compile the decode step with torch.compile: faster per token, some 20 s to compile the "
-                        "first time (then cached), needs a C++ compiler (README, Speed)")
+                        "first time (then cached), needs a C++ compiler (docs/speed.md)")
     p.add_argument("--plain", action="store_true",
                    help="run the plain model of minikv/models, without the CPU speed layer of minikv/fast "
                         "(same tokens to float rounding, slower; not with --compile)")
