@@ -195,6 +195,17 @@ def test_fast_search_scores_the_reference_keys(n, fov, prop, batch, seed, policy
             torch.testing.assert_close(scores[b, j][seen], torch.tensor([reference[t] for t in found.tolist()]))
 
 
+def drawn_forest(seed, n, ties, policy_heads):
+    """-> (draw, keys (2, n, 8), the forest over them, the heads' order). ties: small integers,
+    so that every q.k is exact whatever order a product sums in, and equal scores are equal bit
+    for bit (many equal page maxima)."""
+    g = torch.Generator().manual_seed(seed)
+    draw = (lambda *shape: torch.randint(-2, 3, shape, generator=g).float()) if ties else \
+        (lambda *shape: torch.randn(*shape, generator=g))
+    keys = draw(2, n, 8)
+    heads = torch.tensor([0, 1]) if policy_heads else torch.tensor([1, 0])
+    return draw, keys, forest_of(keys, P=4, first=7, nxt=3, seed=seed), heads
+
 @settings(max_examples=20)
 @given(n=st.integers(20, 500), fov=st.sampled_from([1, 2, 5, None]), prop=st.sampled_from([0.5, 0.8]),
        batch=st.sampled_from([1, 4, 128]), k=st.sampled_from([1, 3, 12, 40]), candidates=st.sampled_from([1, 4]),
@@ -206,14 +217,7 @@ def test_fast_page_choice_equals_the_reference(n, fov, prop, batch, k, candidate
     after the build and after every insert, whether the bound holds or every page is computed,
     with tied scores (duplicate keys) broken to the lower page; and the policy's merge of a
     group's lists equals search.page_select."""
-    g = torch.Generator().manual_seed(seed)
-    # ties: small integers, so that every q.k is exact whatever order a product sums in, and
-    # equal scores are equal bit for bit (many equal page maxima)
-    draw = (lambda *shape: torch.randint(-2, 3, shape, generator=g).float()) if ties else \
-        (lambda *shape: torch.randn(*shape, generator=g))
-    keys = draw(2, n, 8)
-    f = forest_of(keys, P=4, first=7, nxt=3, seed=seed)
-    heads = torch.tensor([0, 1]) if policy_heads else torch.tensor([1, 0])
+    draw, keys, f, heads = drawn_forest(seed, n, ties, policy_heads)
     ps, fs = pages_fast.PageSearch(f), search_fast.FastSearch(f)  # both watch the tree
     f.build(keys[:, :n // 2])
     for a in range(n // 2, n + 37, 37):
@@ -274,12 +278,7 @@ def test_page_choice_fallback_and_visited_equal_the_reference(n, fov, prop, batc
     are still search.py's, ties included (after the build and after every insert). On every level
     of the descent, search_fast.visited (one gather where the level's nodes are read whole) marks
     exactly the points the window test in_window marks."""
-    g = torch.Generator().manual_seed(seed)
-    draw = (lambda *shape: torch.randint(-2, 3, shape, generator=g).float()) if ties else \
-        (lambda *shape: torch.randn(*shape, generator=g))
-    keys = draw(2, n, 8)
-    f = forest_of(keys, P=4, first=7, nxt=3, seed=seed)
-    heads = torch.tensor([0, 1]) if policy_heads else torch.tensor([1, 0])
+    draw, keys, f, heads = drawn_forest(seed, n, ties, policy_heads)
     ps = pages_fast.PageSearch(f)
     f.build(keys[:, :n // 2])
     for a in range(n // 2, n + 37, 37):

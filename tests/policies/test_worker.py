@@ -63,17 +63,23 @@ SPECS = ["freekv:page_size=4,budget=24,sink=4,window=8", "freekv:page_size=4,bud
          "freekv:page_size=4,budget=24,sink=4,window=8,digest=minmax,tau=-1"]
 
 
+def stats_of_equal_logits(model, ids, spec, steps):
+    """Greedy logits of `spec` with overlap=false and overlap=true (its worker on a thread):
+    equal bit for bit -> the two policies' stats."""
+    sync, p0 = greedy_logits(model, ids, f"{spec},overlap=false", steps)
+    over, p1 = greedy_logits(model, ids, f"{spec},overlap=true", steps)
+    assert threads(p0) == 0 and threads(p1) == 1
+    assert torch.equal(sync, over)
+    return p0.stats(), p1.stats()
+
+
 @settings(max_examples=8, deadline=None)
 @given(spec=st.sampled_from(SPECS), seed=st.integers(0, 2 ** 16), prompt=st.integers(20, 90),
        rescore=st.sampled_from([0, 2]))
 def test_freekv_worker_gives_the_synchronous_logits_bit_for_bit(spec, seed, prompt, rescore):
     model = tiny_model("llama_gqa")
     ids = torch.randint(0, model.cfg.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(seed))
-    sync, p0 = greedy_logits(model, ids, f"{spec},rescore={rescore},overlap=false", 24)
-    over, p1 = greedy_logits(model, ids, f"{spec},rescore={rescore},overlap=true", 24)
-    assert threads(p0) == 0 and threads(p1) == 1
-    assert torch.equal(sync, over)
-    s0, s1 = p0.stats(), p1.stats()
+    s0, s1 = stats_of_equal_logits(model, ids, f"{spec},rescore={rescore}", 24)
     for key in ("pages_recalled", "speculative_exact_rate", "correction_rate", "device_tokens_peak",
                 "kv_bytes_read_per_step", "bytes_to_device"):
         assert s0[key] == s1[key] or (s0[key] != s0[key] and s1[key] != s1[key]), key  # nan: none compared
@@ -169,11 +175,7 @@ def test_synckv_worker_gives_the_synchronous_logits_bit_for_bit(tmp_path_factory
     spec = SyncKV.spec_for_model(f"synckv:budget=24,window=4,m={m},n_r=1,wide_layers=0,nr_reads={nr_reads}",
                                  model.cfg, tmp_path_factory.mktemp("synckv"))
     ids = torch.randint(0, model.cfg.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(seed))
-    sync, p0 = greedy_logits(model, ids, f"{spec},overlap=false", 16)
-    over, p1 = greedy_logits(model, ids, f"{spec},overlap=true", 16)
-    assert threads(p0) == 0 and threads(p1) == 1
-    assert torch.equal(sync, over)
-    s0, s1 = p0.stats(), p1.stats()
+    s0, s1 = stats_of_equal_logits(model, ids, spec, 16)
     assert s1["tokens_fetched"] == s0["tokens_fetched"] > 0
     assert s1["anticipation_steps"] == s0["anticipation_steps"]
 
