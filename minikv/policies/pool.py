@@ -32,8 +32,8 @@ def refill(held: list[int], want: list[int]) -> list[tuple[int, int]]:
     are; the slots of items that left the selection are freed; the j-th missing item (in
     selection order) goes to the j-th free slot (in slot order): there are always enough, the
     selection being no longer than the slots. -> [(item, slot)] to copy in."""
-    keep = set(want) - {-1}
-    missing = [c for c in want if c >= 0 and c not in held]
+    keep, holding = set(want) - {-1}, set(held)  # sets: a selection has up to thousands of items
+    missing = [c for c in want if c >= 0 and c not in holding]
     free = [j for j, c in enumerate(held) if c not in keep]
     for j in free:
         held[j] = -1

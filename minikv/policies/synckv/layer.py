@@ -87,13 +87,17 @@ class SyncKVLayer(LayerKV):
         """(token, slot) an NR-head of cluster c reads: static, dynamic, window, each token once
         (under the union a token two clusters chose is read from the first slot holding it)."""
         dynamic = dynamic or self.dynamic
-        pairs = [(t, self.static_slot(g, j)) for g in self.read_clusters(c) for j, t in enumerate(self.static[g])]
-        pairs += [(t, self.dynamic_slot(g, j)) for g in self.read_clusters(c)
-                  for j, t in enumerate(dynamic[g]) if t >= 0]
+        pairs = []
+        for g in self.read_clusters(c):  # a set's j-th token sits in the set's first slot + j
+            pairs += zip(self.static[g], range(self.static_slot(g, 0), self.ring_start))
+        for g in self.read_clusters(c):
+            first = self.dynamic_slot(g, 0)
+            pairs += [(t, first + j) for j, t in enumerate(dynamic[g]) if t >= 0]
         if self.union:
             seen = set()
             pairs = [(t, s) for t, s in pairs if not (t in seen or seen.add(t))]
-        pairs += [(t, self.ring_slot(t)) for t in self.window_tokens()]
+        first, R = self.ring_start, self.ring
+        pairs += [(t, first + t % R) for t in self.window_tokens()]  # ring_slot(t)
         return pairs if self.offload else [(t, t) for t, _ in pairs]
 
     def read_tokens(self, c: int, dynamic=None) -> list[int]:
@@ -106,7 +110,8 @@ class SyncKVLayer(LayerKV):
 
     def nr_index(self) -> torch.Tensor:
         """(1, Hn, N) slots each NR-head reads, -1 padded."""
-        rows = [[s for _, s in self.read_slots(c)] for c in self.nr_cluster]
+        slots = {c: [s for _, s in self.read_slots(c)] for c in set(self.nr_cluster)}  # a cluster's heads read alike
+        rows = [slots[c] for c in self.nr_cluster]
         n = max(len(r) for r in rows)
         return torch.tensor([[r + [-1] * (n - len(r)) for r in rows]], device=self.kr.device)
 
