@@ -41,7 +41,9 @@ Where decoding goes: for policies that choose and bring back KV (freekv, icecach
 installed from outside (bench/probes.py) around each layer's `select` and its storage's `recall`
 give select_s and recall_s, and their shares of the decode time: the time on the model's thread
 (a worker's selections run beside it and are not counted; the model's wait for one at its join is
-in the decode time only).
+in the decode time only). The policy share is the policy's whole part of the step, its layers'
+`decode` (attention over what it reads, and the selection and recall inside) and its `end_step`;
+the rest of the step is the model's own (weights, norms, the output head).
 """
 from __future__ import annotations
 
@@ -98,6 +100,9 @@ def summarize(runs: list[dict], new_tokens: int) -> dict:
         "overhead_share": share(runs, ("select_s", "recall_s"), new_tokens),
         "select_share": share(runs, ("select_s",), new_tokens),
         "recall_share": share(runs, ("recall_s",), new_tokens),
+        # the policy's whole part of the step (its layers' decode, attention included, and its
+        # end_step): the rest is the model's (weights, norms, the head)
+        "policy_share": share(runs, ("policy_s",), new_tokens),
     }
 
 
@@ -134,6 +139,16 @@ def probe_targets(policy) -> list:
     return list(policy.layers) + storage
 
 
+def probes(policy, totals: dict) -> ExitStack:
+    """Every timer on a bound policy, into totals: select and recall (probe_targets), and the
+    policy's whole part of a step, its layers' decode and its end_step ("decode", "end_step")."""
+    stack = ExitStack()
+    stack.enter_context(timed(probe_targets(policy), ["select", "recall"], totals))
+    stack.enter_context(timed(policy.layers, ["decode"], totals))
+    stack.enter_context(timed([policy], ["end_step"], totals))
+    return stack
+
+
 def share(runs: list[dict], keys: tuple, new_tokens: int) -> float | None:
     """The median over runs of the decode time spent in `keys` (seconds over a run), or None when
     the policy times none of them."""
@@ -144,10 +159,12 @@ def share(runs: list[dict], keys: tuple, new_tokens: int) -> float | None:
 
 def with_probes(stats: dict, totals: dict) -> dict:
     """stats with select_s and recall_s (seconds over the run) from the probes' totals, where the
-    policy does not time them itself."""
+    policy does not time them itself, and policy_s: its layers' decode and its end_step."""
     for name in ("select", "recall"):
         if name in totals:
             stats.setdefault(f"{name}_s", totals[name])
+    if "decode" in totals:
+        stats["policy_s"] = totals["decode"] + totals.get("end_step", 0.0)
     return stats
 
 
@@ -159,12 +176,12 @@ def timed_generate(model, tokenizer, ids: list[int], spec: str, new_tokens: int)
     spec, intra = split_threads(spec, before)
     policy, totals = make(spec), {}
     torch.set_num_threads(intra)
-    with ExitStack() as probes:
+    with ExitStack() as stack:
         bind = policy.bind
 
         def bind_and_probe(*args, **kwargs):
             bound = bind(*args, **kwargs)
-            probes.enter_context(timed(probe_targets(bound), ["select", "recall"], totals))
+            stack.enter_context(probes(bound, totals))
             return bound
 
         policy.bind = bind_and_probe
@@ -208,9 +225,9 @@ def lockstep_runs(model, ids: list[int], specs: list[str], new_tokens: int, warm
     times = [[] for _ in specs]
     produced = [[int(t)] for t in token]
     totals = [{} for _ in specs]
-    with ExitStack() as probes:
+    with ExitStack() as stack:
         for policy, tot in zip(policies, totals):
-            probes.enter_context(timed(probe_targets(policy), ["select", "recall"], tot))
+            stack.enter_context(probes(policy, tot))
         for step in range(new_tokens - 1):
             position = torch.tensor([len(ids) + step], device=model.device)
             for j, policy in enumerate(policies):
@@ -274,7 +291,8 @@ def run(args) -> int:
                        (f"TPOT x full on as many threads, else x {base} (lower is better)", "tpot_vs_base", ".2f"),
                        ("tok/s", "tokens_per_s", ".1f"), ("MB read/token", "bytes_per_token_mb", ".0f"),
                        ("GB/s", "bandwidth_gb_s", ".1f"), ("of read BW", "bandwidth_share", ".0%"),
-                       ("peak device tokens", "device_tokens_peak", ".0f"), ("select+recall share", "overhead_share", ".2f")],
+                       ("peak device tokens", "device_tokens_peak", ".0f"), ("policy share", "policy_share", ".2f"),
+                       ("select+recall share", "overhead_share", ".2f")],
                 title=f"read bandwidth {read_bw / 1e9:.1f} GB/s, {environment_line(model)}")
     if args.png:
         plot_context(rows, policies, args.png, title=f"{args.model}, {environment_line(model)}, {args.new_tokens} new tokens",

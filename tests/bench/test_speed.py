@@ -42,6 +42,8 @@ def test_policies_alternate_and_rows_report_each_policy(smollm2, tmp_path, monke
     assert full["device_tokens_peak"] == 24 + 6 - 1  # the last token is sampled, never cached
     assert stream["device_tokens_peak"] <= 16
     assert full["overhead_share"] is None and all(r["tpot_s"] > 0 and r["ttft_s"] > 0 for r in rows)
+    # the policy's part of the step (full KV's: its attention) is a share of it, the weights the rest
+    assert all(0 < r["policy_share"] < 1 for r in rows)
     # bandwidth: weights (the tied embedding once, as the output head) plus the KV attention read
     model_bytes = sum(p.numel() * 4 for p in model.parameters())
     kv_token = 2 * model.cfg.n_layers * model.cfg.n_kv_heads * model.cfg.head_dim * 4  # all layers
@@ -109,8 +111,11 @@ def test_select_and_recall_are_timed_from_outside(smollm2, spec):
     row = bench.summarize([stats], 5)
     assert 0 < row["select_share"] < 1 and 0 < row["recall_share"] < 1
     assert row["overhead_share"] == pytest.approx(row["select_share"] + row["recall_share"])
+    # select and recall run inside the layers' decode: the policy's part holds them and more
+    assert row["overhead_share"] < row["policy_share"] < 1
     found = bench.lockstep_runs(model, ids, ["full", spec], 4)
     assert found[spec]["select_s"] > 0 and "select_s" not in found["full"]
+    assert found[spec]["policy_s"] > found[spec]["select_s"] and found["full"]["policy_s"] > 0
 
 
 def test_overhead_share_counts_a_policy_that_times_selection_but_no_recall():
