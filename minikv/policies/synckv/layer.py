@@ -11,6 +11,7 @@ of `ring` = window + m - 1 slots holding the recent window, token t in slot ring
 """
 from __future__ import annotations
 
+from itertools import count
 from typing import TYPE_CHECKING
 
 import torch
@@ -89,7 +90,7 @@ class SyncKVLayer(LayerKV):
         dynamic = dynamic or self.dynamic
         pairs = []
         for g in self.read_clusters(c):  # a set's j-th token sits in the set's first slot + j
-            pairs += zip(self.static[g], range(self.static_slot(g, 0), self.ring_start))
+            pairs += zip(self.static[g], count(self.static_slot(g, 0)))
         for g in self.read_clusters(c):
             first = self.dynamic_slot(g, 0)
             pairs += [(t, first + j) for j, t in enumerate(dynamic[g]) if t >= 0]
