@@ -1,0 +1,44 @@
+"""softfreeze's readable form (schedule.py, policy.py) on what its other tests leave open
+(docs/mutation.md): score=attention against its formula written out in float64 (the other tests
+hold it only to the fast form's own computation), the tiers in the model's dtype, and follow's
+thaw of a token frozen in the step its predecessor was read."""
+import math
+
+import torch
+
+from minikv.policies import make
+from minikv.policies.softfreeze.schedule import attention_share
+
+from ..fixtures import DEVICE
+from .test_softfreeze import TINY
+
+
+def test_attention_share_is_the_largest_head_weight_times_the_active_count():
+    """s_j = |A| * max over query heads h of softmax_h(q_h . k_j / sqrt(D)) (schedule.attention_share)."""
+    g = torch.Generator().manual_seed(0)
+    Hkv, G, A, D = 2, 3, 7, 16
+    q, k = torch.randn(1, Hkv * G, D, generator=g) * 2, torch.randn(1, Hkv, A, D, generator=g) * 2
+    w = [[math.exp(float(q[0, h].double() @ k[0, h // G, j].double()) / math.sqrt(D)) for j in range(A)]
+         for h in range(Hkv * G)]
+    want = [A * max(w[h][j] / sum(w[h]) for h in range(Hkv * G)) for j in range(A)]
+    torch.testing.assert_close(attention_share(q.to(DEVICE), k.to(DEVICE)).cpu().double(),
+                               torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=1e-6)
+
+
+def test_both_tiers_hold_the_model_dtype():
+    layer = make("softfreeze:backend=reference").bind(TINY, device=DEVICE, dtype=torch.bfloat16, max_len=16).layers[0]
+    assert layer.kv.dtype == layer.kv_host.dtype == torch.bfloat16
+
+
+def test_follow_thaws_the_newest_token_frozen_in_its_predecessors_step():
+    """With window=0 the newest token may be frozen in the step that read the one before it;
+    follow brings it back."""
+    policy = make("softfreeze:backend=reference,window=0,follow=0.5").bind(TINY, device=DEVICE, dtype=torch.float32,
+                                                                          max_len=16)
+    layer = policy.layers[0]
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, H, 6, 16, generator=g).to(DEVICE) for H in (6, 2, 2))  # (1, H, T, D)
+    layer.prefill(q, k, v, None)
+    layer.freeze(torch.tensor([5], device=DEVICE))
+    policy.thaw_successors([torch.tensor([4], device=DEVICE), torch.tensor([], dtype=torch.int64, device=DEVICE)])
+    assert bool(layer.active[5])
