@@ -4,6 +4,7 @@ hold it only to the fast form's own computation), the tiers in the model's dtype
 thaw of a token frozen in the step its predecessor was read."""
 import math
 
+import pytest
 import torch
 
 from minikv.policies import make
@@ -42,3 +43,19 @@ def test_follow_thaws_the_newest_token_frozen_in_its_predecessors_step():
     layer.freeze(torch.tensor([5], device=DEVICE))
     policy.thaw_successors([torch.tensor([4], device=DEVICE), torch.tensor([], dtype=torch.int64, device=DEVICE)])
     assert bool(layer.active[5])
+
+
+def test_end_step_records_the_next_token_entropy_and_counts_a_spike():
+    """After every forward, H = -sum p log p of the next-token distribution (nats); with egr on,
+    an H above the calm steps' mean by more than egr_min is a spike and climbs one rung."""
+    for egr in (True, False):
+        policy = make(f"softfreeze:backend=reference,egr={str(egr).lower()},egr_window=2").bind(
+            TINY, device=DEVICE, dtype=torch.float32, max_len=16)
+        peaked = torch.full((1, 64), -30.0, device=DEVICE)
+        peaked[0, 3] = 0.0
+        for logits in (peaked, peaked, torch.zeros(1, 64, device=DEVICE)):  # calm, calm, uniform: log 64 nats
+            policy.end_step(logits)
+        p = torch.softmax(peaked[0].double(), -1)
+        assert policy.entropies[0] == pytest.approx(float(-(p * p.log()).sum()), rel=1e-4, abs=1e-9)
+        assert policy.entropies[-1] == pytest.approx(math.log(64), rel=1e-5)
+        assert (policy.counters["spikes"], policy.level) == ((1, 1) if egr else (0, 0))
