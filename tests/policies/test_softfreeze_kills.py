@@ -59,3 +59,13 @@ def test_end_step_records_the_next_token_entropy_and_counts_a_spike():
         assert policy.entropies[0] == pytest.approx(float(-(p * p.log()).sum()), rel=1e-4, abs=1e-9)
         assert policy.entropies[-1] == pytest.approx(math.log(64), rel=1e-5)
         assert (policy.counters["spikes"], policy.level) == ((1, 1) if egr else (0, 0))
+
+
+def test_a_history_shorter_than_the_context_counts_only_its_last_steps():
+    """history=W (the paper's window for c_j): of detections at steps 0, 1 and 5, a history of 2
+    counts only the last; none counts all three."""
+    for spec, want in (("history=2", [1, 2, 1]), ("history=none", [1, 2, 3])):
+        layer = make(f"softfreeze:backend=reference,{spec}").bind(TINY, device=DEVICE, dtype=torch.float32,
+                                                                  max_len=16).layers[0]
+        tok = torch.tensor([0], device=DEVICE)
+        assert [int(layer.count_detections(tok, now)[0]) for now in (0, 1, 5)] == want, spec
