@@ -69,3 +69,27 @@ def test_a_history_shorter_than_the_context_counts_only_its_last_steps():
                                                                   max_len=16).layers[0]
         tok = torch.tensor([0], device=DEVICE)
         assert [int(layer.count_detections(tok, now)[0]) for now in (0, 1, 5)] == want, spec
+
+
+def test_the_default_score_of_a_step_is_the_attention_share():
+    """score=attention (the default): the step's s_j is attention_share over the active tokens."""
+    policy = make("softfreeze:backend=reference").bind(TINY, device=DEVICE, dtype=torch.float32, max_len=16)
+    layer = policy.layers[0]
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, H, 6, 16, generator=g).to(DEVICE) for H in (6, 2, 2))  # (1, H, T, D)
+    layer.prefill(q, k, v, None)
+    q1, k1, v1 = (torch.randn(1, H, 1, 16, generator=g).to(DEVICE) for H in (6, 2, 2))
+    layer.decode(q1, k1, v1, None)
+    keys = torch.cat((k, k1), 2)  # (1, Hkv, 7, D): every token active
+    torch.testing.assert_close(policy.scores[0], attention_share(q1[:, :, 0], keys))
+
+
+def test_follow_defaults_and_checks():
+    assert [make(f"softfreeze:{s}").follow_weight for s in ("tau=1", "score=relative", "follow=0.3")] == [0.1, 0.0, 0.3]
+    with pytest.raises(ValueError, match="^follow needs score=attention"):
+        make("softfreeze:score=relative,follow=0.3")
+    import dataclasses
+
+    with pytest.raises(ValueError, match="^softfreeze does not support sliding-window attention"):
+        make("softfreeze").bind(dataclasses.replace(TINY, sliding_window=8), device=DEVICE, dtype=torch.float32,
+                                max_len=16)
