@@ -159,9 +159,13 @@ def test_prefill_attends_the_prompt_and_sums_its_columns_by_blocks(monkeypatch):
 
 
 def test_attended_indices_before_the_cache_is_full():
-    _, kept, policy = run_layer("h2o:budget=16,window=2", *random_qkv(6, seed=5), 4)
-    read = policy.layers[0].attended_indices()  # step 5: tokens 0..5, none evicted yet
-    assert read.tolist() == [list(range(6))] * 2
+    q, k, v = random_qkv(6, seed=5)
+    policy = make("h2o:budget=16,window=2").bind(CFG, device=DEVICE, dtype=torch.float32, max_len=12)
+    layer = policy.layers[0]
+    per = lambda x, a, b: x[a:b].permute(1, 0, 2)[None].to(DEVICE)
+    layer.prefill(per(q, 0, 5), per(k, 0, 5), per(v, 0, 5), torch.arange(5, device=DEVICE)[None])
+    layer.decode(per(q, 5, 6), per(k, 5, 6), per(v, 5, 6), torch.tensor([[5]], device=DEVICE))
+    assert layer.attended_indices().tolist() == [list(range(6))] * 2  # 6 of 12 slots: none evicted yet
 
 
 def test_equal_scores_keep_the_earlier_token_in_a_long_cache():
@@ -208,11 +212,11 @@ def test_a_sliding_window_shorter_than_the_context_is_refused():
 def test_stats_and_sizes_over_two_layers():
     import dataclasses
 
-    policy = make("h2o:budget=8,window=3").bind(dataclasses.replace(CFG, n_layers=2), device=DEVICE,
+    policy = make("h2o:budget=12,window=3").bind(dataclasses.replace(CFG, n_layers=2), device=DEVICE,
                                                 dtype=torch.float32, max_len=32)
     policy.layers[0].evicted, policy.layers[1].evicted = 3, 5
     assert {k: policy.stats()[k] for k in ("budget", "window", "tokens_evicted")} == \
-        {"budget": 8, "window": 3, "tokens_evicted": 4.0}
+        {"budget": 12, "window": 3, "tokens_evicted": 4.0}
     layer = policy.layers[1]
-    assert layer.allocated_device_tokens() == 8
-    assert layer.aux_bytes() == (CFG.n_kv_heads * 8 * (8 + 4), 0)  # pos int64 and score float32 per slot
+    assert layer.allocated_device_tokens() == 12  # slots per KV head (head_dim is 8)
+    assert layer.aux_bytes() == (CFG.n_kv_heads * 12 * (8 + 4), 0)  # pos int64 and score float32 per slot
