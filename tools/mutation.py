@@ -41,7 +41,8 @@ SCOPES = {
     "h2o": ([f"{POL}/h2o.py"], [f"{T}/test_h2o.py"]),
     # one_pass: the fast layer's score against the reference's (layer_fast, not mutated here)
     "softfreeze": ([f"{POL}/softfreeze/schedule.py", f"{POL}/softfreeze/policy.py"],
-                   [f"{T}/test_softfreeze_schedule.py", f"{T}/test_softfreeze_paper.py", "-k", "not one_pass"]),
+                   [f"{T}/test_softfreeze_schedule.py", f"{T}/test_softfreeze_paper.py", f"{T}/test_softfreeze_kills.py",
+                    "-k", "not one_pass"]),
     "freekv": ([f"{POL}/freekv.py"],
                [f"{T}/test_freekv_paper.py", f"{T}/test_freekv.py", f"{T}/test_freekv_kills.py", *NOT_MODELS]),
     "paged": ([f"{POL}/paged.py"], [f"{T}/test_paged.py", f"{T}/test_freekv_paper.py", f"{T}/test_freekv_kills.py"]),
