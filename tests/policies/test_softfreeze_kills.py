@@ -93,3 +93,10 @@ def test_follow_defaults_and_checks():
     with pytest.raises(ValueError, match="^softfreeze does not support sliding-window attention"):
         make("softfreeze").bind(dataclasses.replace(TINY, sliding_window=8), device=DEVICE, dtype=torch.float32,
                                 max_len=16)
+
+
+def test_end_step_after_a_forward_that_skipped_a_layer_is_an_error():
+    policy = make("softfreeze:backend=reference").bind(TINY, device=DEVICE, dtype=torch.float32, max_len=16)
+    policy.scores = [torch.zeros(0, device=DEVICE), None]  # layer 0 ran, layer 1 did not
+    with pytest.raises(RuntimeError, match="^softfreeze: end_step after a forward that skipped some layers$"):
+        policy.end_step()
