@@ -106,3 +106,25 @@ def test_a_head_is_corrected_only_below_tau_and_each_correcting_step_counts_once
     for _ in range(2):
         layer.correct(q[:, :, -1], [False, True])
     assert (policy.corrected_steps, policy.corrected_heads) == (2, 2)
+
+
+def test_prefill_output_the_unit_query_and_the_step_counts():
+    """The prefill returns causal attention over the prompt; a query of norm below 1 is scaled up
+    to unit rows too (the cosine of `drifted_heads`); recalls count from the first decode step."""
+    from minikv.models.attention import dense_attention
+
+    policy = make(SPEC).bind(CFG, device=DEVICE, dtype=torch.float32, max_len=64)
+    layer = policy.layers[0]
+    D = CFG.head_dim
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, H, 30, D, generator=g).to(DEVICE) for H in (CFG.n_heads, CFG.n_kv_heads, CFG.n_kv_heads))
+    torch.testing.assert_close(layer.prefill(q, k, v, None), dense_attention(q, k, v))
+    assert policy.stats()["pages_recalled"] == 0
+    for _ in range(3):
+        layer.decode(*(torch.randn(1, H, 1, D, generator=g).to(DEVICE) for H in (CFG.n_heads,) + (CFG.n_kv_heads,) * 2),
+                     None)
+        policy.end_step()
+    assert policy.layer_steps == 3
+    small = torch.randn(1, CFG.n_heads, D, generator=g) * 0.01
+    norms = torch.linalg.vector_norm(layer._unit(small.to(DEVICE)), dim=-1)
+    torch.testing.assert_close(norms.cpu(), torch.ones(CFG.n_heads))
