@@ -29,32 +29,41 @@ ROOT = Path(__file__).resolve().parent.parent
 KERNELS = ["attention_relevance", "attention_topk", "dci_scores", "decode_attention", "gathered_attention",
            "page_gather", "page_layout", "page_scores", "paged_attention", "rope_delta"]
 POL, T = "minikv/policies", "tests/policies"
-# scope -> (modules to mutate, the tests that judge them: pytest arguments)
+# scope -> (modules to mutate, the tests that judge them: pytest arguments). A policy is judged by
+# its transcription test (test_*_paper.py) and its tests on small random layers, not by its SmolLM2
+# runs (minutes) nor its triton-backend runs (Triton's interpreter on the CPU: slow, and they judge
+# the kernels, which their own scopes do); each policy scope's tests run in seconds.
+NOT_MODELS = ["-k", "not smollm2 and not triton"]
 SCOPES = {
     **{f"kernels/{op}": ([f"minikv/kernels/{op}/reference.py"], [f"tests/kernels/test_{op}.py"])
        for op in KERNELS},
     "streaming": ([f"{POL}/streaming.py"], [f"{T}/test_streaming.py"]),
     "h2o": ([f"{POL}/h2o.py"], [f"{T}/test_h2o.py"]),
+    # one_pass: the fast layer's score against the reference's (layer_fast, not mutated here)
     "softfreeze": ([f"{POL}/softfreeze/schedule.py", f"{POL}/softfreeze/policy.py"],
-                   [f"{T}/test_softfreeze_schedule.py", f"{T}/test_softfreeze_paper.py"]),
-    "freekv": ([f"{POL}/freekv.py"], [f"{T}/test_freekv_paper.py", f"{T}/test_freekv.py", "-k", "not smollm2"]),
-    "paged": ([f"{POL}/paged.py"], [f"{T}/test_paged.py", f"{T}/test_freekv_paper.py"]),
+                   [f"{T}/test_softfreeze_schedule.py", f"{T}/test_softfreeze_paper.py", f"{T}/test_softfreeze_kills.py",
+                    "-k", "not one_pass"]),
+    "freekv": ([f"{POL}/freekv.py"],
+               [f"{T}/test_freekv_paper.py", f"{T}/test_freekv.py", f"{T}/test_freekv_kills.py", *NOT_MODELS]),
+    "paged": ([f"{POL}/paged.py"], [f"{T}/test_paged.py", f"{T}/test_freekv_paper.py", f"{T}/test_freekv_kills.py"]),
     "icecache": ([f"{POL}/icecache/{m}.py" for m in ("tree", "search", "policy")],
-                 [f"{T}/test_icecache_paper.py", f"{T}/test_dci.py", f"{T}/test_icecache.py", "-k", "not smollm2"]),
+                 [f"{T}/test_icecache_paper.py", f"{T}/test_dci.py", f"{T}/test_icecache.py", *NOT_MODELS]),
     "synckv": ([f"{POL}/synckv/{m}.py" for m in ("bank", "clusters", "layer", "policy")],
-               [f"{T}/test_synckv_paper.py", f"{T}/test_synckv_clusters.py", f"{T}/test_synckv.py",
-                "-k", "not smollm2"]),
+               [f"{T}/test_synckv_paper.py", f"{T}/test_synckv_clusters.py", f"{T}/test_synckv.py", *NOT_MODELS]),
 }
 SCOPES["kernels/page_scores"][1].extend(["tests/kernels/test_quant2_codes.py", f"{T}/test_freekv_kills.py"])
 SCOPES["kernels/dci_scores"][1].append("tests/kernels/test_dci_scores_kills.py")
 GROUPS = {"kernels": [s for s in SCOPES if s.startswith("kernels/")]}
 MUTMUT = [sys.executable, "-m", "mutmut"]
+# a mutant's tests get 2 * 5 * (their clean CPU time + 1 s) (mutmut's default: 2 * 15 * ...), then
+# count as a timeout (killed: a mutant that makes the tests ten times slower is not the same program)
+TIMEOUT_MULTIPLIER = 5
 
 
 def mutmut_section(modules: list[str], tests: list[str]) -> str:
     toml = lambda xs: "[" + ", ".join(f'"{x}"' for x in xs) + "]"  # noqa: E731
     return (f"\n[tool.mutmut]\nsource_paths = [\"minikv\"]\nonly_mutate = {toml(modules)}\n"
-            f"also_copy = [\"reference\"]\npytest_add_cli_args = [\"-x\", \"-q\", \"-p\", \"no:cacheprovider\"]\n"
+            f"also_copy = [\"reference\"]\ntimeout_multiplier = {TIMEOUT_MULTIPLIER}\npytest_add_cli_args = [\"-x\", \"-q\", \"-p\", \"no:cacheprovider\"]\n"
             f"pytest_add_cli_args_test_selection = {toml(tests)}\n")
 
 
@@ -70,7 +79,7 @@ def run_scope(scope: str, work: Path, children: int, only: list[str], ignore: li
         shutil.copytree(ROOT / part, here / part, ignore=skip)
     (here / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text() + mutmut_section(modules, tests))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # mutmut puts its mutants first
-    env.update(OMP_NUM_THREADS="1", HYPOTHESIS_PROFILE="ci")
+    env.update(OMP_NUM_THREADS="1", HYPOTHESIS_PROFILE="mutation")  # ci's examples, no shrinking
     print(f"== {scope}: {' '.join(modules)} against {' '.join(tests)}", file=sys.stderr, flush=True)
     with open(here / "mutmut.log", "w") as log:
         if subprocess.run([*MUTMUT, "run", "--max-children", str(children), *only], cwd=here, env=env, stdout=log,

@@ -124,3 +124,21 @@ def test_public_function_rejects_k_top_below_one(device):
     with pytest.raises(ValueError, match="k_top"):
         attention_topk(torch.zeros(1, 1, 4, device=device), torch.zeros(1, 1, 3, 4, device=device),
                        torch.zeros(1, 1, device=device), torch.tensor([3], device=device), None, 0)
+
+
+def test_exact_ties_in_a_long_selection_keep_token_order(device):
+    """48 chosen tokens in two groups of exact ties: each group listed in token order. (torch's
+    sort without stable=True reorders equal values in rows longer than 16, on the CPU too.)"""
+    g = torch.Generator().manual_seed(0)
+    D, L = 16, 64
+    k = torch.randn(1, 1, L, D, generator=g)
+    a = torch.randn(D, generator=g)
+    k[0, 0, 0::2] = a  # 32 tokens tied at the top
+    k[0, 0, 1::4] = a * 0.5  # 16 tokens tied below them
+    q = (a * 3)[None, None].repeat(1, 2, 1)  # (1, Hq=2, D): one group of two heads
+    k, q, n = k.to(device), q.to(device), torch.tensor([L], device=device)
+    _, lse = decode_attention(q, k, k, n, return_lse=True)
+    want = list(range(0, L, 2)) + list(range(1, L, 4))
+    for backend in ("eager", "triton"):
+        _, index = attention_topk(q, k, lse, n, None, 48, backend=backend)
+        assert index[0, 0].tolist() == want, backend

@@ -172,3 +172,16 @@ def test_codes_rank_the_page_whose_key_matches_above_a_loose_box(backend, device
     _, bound = page_scores(q, lo, hi, n, 1, 1.0, backend=backend)
     _, coded = page_scores(q, lo, hi, n, 1, 1.0, codes=pack_codes(keys, lo, hi), backend=backend)
     assert bound[0, 0, 0] == 1 and coded[0, 0, 0] == 0
+
+
+def test_each_heads_softmax_is_shifted_by_its_own_maximum():
+    """Two query heads of one group whose page scores lie about 2000 apart: a softmax shifted by
+    one maximum over all heads (rather than each head's own) underflows the lower head's share
+    to 0, and the group mean loses it."""
+    q = torch.tensor([[[1000.0, 1000.0], [0.1, -0.1]]])  # (B=1, Hq=2, D=2): one KV head, G=2
+    keys = torch.tensor([[1.0, 1.0], [1.0, 0.5], [0.5, 1.0]])  # (N=3, D): boxes of one key each
+    lo = hi = keys[None, None]  # (1, 1, 3, 2)
+    n_valid = torch.tensor([3])
+    scores, _ = page_scores(q, lo, hi, n_valid, 2, 1.0, "softmax_mean", backend="eager")
+    want, _ = loop_reference(q, lo, hi, n_valid, 2, 1.0, "softmax_mean")
+    assert_close(scores, want.float(), torch.float32, name="scores")

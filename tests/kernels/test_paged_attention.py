@@ -53,3 +53,18 @@ def test_kernel_equals_gather_dense_on_a_long_partial_table(device):
     k_pages, v_pages = k_pages.nan_to_num(), v_pages.nan_to_num()
     out = paged_attention(q, k_pages, v_pages, table, lens, backend="triton")
     assert_close(out, gather_dense(q, k_pages, v_pages, table, lens), torch.float32)
+
+
+def test_each_row_is_shifted_by_its_own_maximum():
+    """Two KV heads whose scores lie 800 or more apart: a softmax shifted by one maximum over all rows
+    (rather than each row's own) underflows the lower row to 0 / 0. Same for the log-sum-exp."""
+    D, P = 4, 4
+    k_pages = torch.randn(1, P, 2, D, generator=torch.Generator().manual_seed(0))
+    v_pages = torch.randn(1, P, 2, D, generator=torch.Generator().manual_seed(1))
+    k_pages[:, :, 0] = k_pages[:, :, 0].abs() + 1  # head 0: scores q . k / sqrt(D) >= 400 * D / 2 = 800
+    q = torch.stack([torch.full((D,), 400.0), torch.zeros(D)])[None]  # (1, Hq=2, D): head 1 scores 0
+    table, lens = torch.zeros(1, 2, 1, dtype=torch.int32), torch.full((1, 2, 1), P, dtype=torch.int32)
+    out, lse = paged_attention(q, k_pages, v_pages, table, lens, return_lse=True, backend="reference")
+    assert_close(out, gather_dense(q, k_pages, v_pages, table, lens), torch.float32)
+    scores = torch.einsum("hd,thd->ht", q[0].double(), k_pages[0].double()) / math.sqrt(D)  # (Hkv, P)
+    assert torch.allclose(lse[0].double(), scores.logsumexp(-1), rtol=1e-5)

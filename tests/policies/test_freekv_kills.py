@@ -12,12 +12,17 @@ float64, and nothing of minikv's digests or scores is used:
 
 then the top K per KV head, ties to the lower page. The cases are fixed (not drawn): a near-tie
 between two pages could rank differently in float64 and in the policy's float32."""
+import math
+
 import pytest
 import torch
 
 from minikv.config import ModelConfig
+from minikv.policies import make
 
+from ..fixtures import DEVICE
 from .test_freekv import run_against_oracle
+from .test_freekv_paper import CFG, SPEC
 
 
 def own_box(pages: torch.Tensor, digest: str):
@@ -83,3 +88,43 @@ def test_own_oracle_tells_the_digests_apart():
     picks = {d: [own_oracle(torch.randn(1, 4, 16, generator=g.manual_seed(i), dtype=torch.float64), keys, 4, 1, 2, 3,
                             digest=d).tolist() for i in range(20)] for d in ("minmax", "arkvale", "quant2")}
     assert picks["minmax"] != picks["arkvale"] and picks["minmax"] != picks["quant2"]
+
+
+def test_a_head_is_corrected_only_below_tau_and_each_correcting_step_counts_once():
+    """C_m < tau drifts (a mean cosine exactly tau does not), and `correct` counts one step."""
+    policy = make(SPEC.replace("tau=0.9", "tau=0.5")).bind(CFG, device=DEVICE, dtype=torch.float32, max_len=64)
+    layer = policy.layers[0]
+    G, D = CFG.n_heads // CFG.n_kv_heads, CFG.head_dim
+    prev, now = torch.zeros(CFG.n_heads, D), torch.zeros(CFG.n_heads, D)
+    prev[:, 0] = 1.0
+    now[:, 0], now[:, 1] = 0.5, math.sqrt(3) / 2  # cos exactly 0.5 for KV head 0's queries...
+    now[G:, 0], now[G:, 1] = 0.25, math.sqrt(15) / 4  # ...and 0.25 for KV head 1's
+    layer.prev_q = prev.to(DEVICE)
+    assert layer.drifted_heads(now.to(DEVICE)) == [False, True]
+    q, k, v = (torch.randn(1, H, 30, D).to(DEVICE) for H in (CFG.n_heads, CFG.n_kv_heads, CFG.n_kv_heads))
+    layer.prefill(q, k, v, None)
+    for _ in range(2):
+        layer.correct(q[:, :, -1], [False, True])
+    assert (policy.corrected_steps, policy.corrected_heads) == (2, 2)
+
+
+def test_prefill_output_the_unit_query_and_the_step_counts():
+    """The prefill returns causal attention over the prompt; a query of norm below 1 is scaled up
+    to unit rows too (the cosine of `drifted_heads`); recalls count from the first decode step."""
+    from minikv.models.attention import dense_attention
+
+    policy = make(SPEC).bind(CFG, device=DEVICE, dtype=torch.float32, max_len=64)
+    layer = policy.layers[0]
+    D = CFG.head_dim
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, H, 30, D, generator=g).to(DEVICE) for H in (CFG.n_heads, CFG.n_kv_heads, CFG.n_kv_heads))
+    torch.testing.assert_close(layer.prefill(q, k, v, None), dense_attention(q, k, v))
+    assert policy.stats()["pages_recalled"] == 0
+    for _ in range(3):
+        layer.decode(*(torch.randn(1, H, 1, D, generator=g).to(DEVICE) for H in (CFG.n_heads,) + (CFG.n_kv_heads,) * 2),
+                     None)
+        policy.end_step()
+    assert policy.layer_steps == 3
+    small = torch.randn(1, CFG.n_heads, D, generator=g) * 0.01
+    norms = torch.linalg.vector_norm(layer._unit(small.to(DEVICE)), dim=-1)
+    torch.testing.assert_close(norms.cpu(), torch.ones(CFG.n_heads))

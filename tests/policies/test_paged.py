@@ -151,3 +151,14 @@ def test_attend_reads_the_pool_as_the_page_table_says(P, S, G, seed):
     k2 = k.clone()
     k2[(torch.arange(P, device=DEVICE) >= lens[0, :, :, None]).permute(1, 2, 0)] = 1e4  # hidden keys change nothing
     torch.testing.assert_close(pool_attention(q, k2, v, lens), want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_store_holds_exactly_max_len_tokens():
+    """A prompt of max_len tokens fits; one more, by prefill or by append, is refused by name."""
+    store = make_store(max_len=40)  # 10 pages of 4
+    k, v = tokens(40, seed=1)
+    store.prefill(k, v)
+    with pytest.raises(ValueError, match=r"^the sequence outgrew max_len \(40 tokens\)$"):
+        store.append(*tokens(1, seed=2))
+    with pytest.raises(ValueError, match=r"^41 tokens exceed the capacity of 10 pages of 4$"):
+        make_store(max_len=40).prefill(*tokens(41, seed=3))
