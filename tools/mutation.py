@@ -43,7 +43,7 @@ SCOPES = {
                  [f"{T}/test_icecache_paper.py", f"{T}/test_dci.py", f"{T}/test_icecache.py", "-k", "not smollm2"]),
     "synckv": ([f"{POL}/synckv/{m}.py" for m in ("bank", "clusters", "layer", "policy")],
                [f"{T}/test_synckv_paper.py", f"{T}/test_synckv_clusters.py", f"{T}/test_synckv.py",
-                "-k", "not smollm2"]),
+                f"{T}/test_synckv_kills.py", "-k", "not smollm2"]),
 }
 SCOPES["kernels/page_scores"][1].extend(["tests/kernels/test_quant2_codes.py", f"{T}/test_freekv_kills.py"])
 SCOPES["kernels/dci_scores"][1].append("tests/kernels/test_dci_scores_kills.py")
