@@ -28,18 +28,22 @@ def test_overlap_of_single_tokens_and_empty_sets_eq1():
 
 def test_similarity_is_the_mean_of_eq1_over_steps_per_layer():
     """Eq. 2: S = the mean over the steps added to a layer of Eq. 1 between its heads' sets;
-    a layer no step reached is all zero."""
+    a layer no step reached is all zero. Summed in float64: over a corpus's thousands of steps a
+    float32 sum drifts (here: ten steps of 1/3)."""
     steps = [torch.tensor([[0, 1], [1, 2]]), torch.tensor([[0, 1], [0, 1]]), torch.tensor([[4, -1], [5, 6]])]
-    meter = SimilarityMeter(3, 2)
+    meter = SimilarityMeter(4, 2)
     for index in steps:
         meter.add(0, index, 8)
     meter.add(1, steps[0], 8)
+    for _ in range(10):
+        meter.add(3, torch.tensor([[0, 1, 2], [2, 3, 4]]), 8)
     S = meter.mean()
     assert S.dtype == torch.float64
     # per step, the off-diagonal overlap: 1/2, 1, 0 -> mean 1/2; layer 1 saw the first step alone
     assert S[0].tolist() == [[1.0, 0.5], [0.5, 1.0]]
     assert S[1].tolist() == [[1.0, 0.5], [0.5, 1.0]]
     assert S[2].tolist() == [[0.0, 0.0], [0.0, 0.0]]
+    assert abs(float(S[3, 0, 1]) - 1 / 3) < 1e-15
 
 
 def test_clustering_heads_that_attend_alike():
@@ -97,6 +101,8 @@ def test_what_each_tier_holds_and_what_moved(paper_clusters, nr_reads, offload):
     policy = make(spec).bind(PAPER_CFG, device=DEVICE, dtype=torch.float32, max_len=max_len)
     layer = policy.layers[0]
     Hkv, Hr, Hn = PAPER_CFG.n_kv_heads, len(layer.r_heads), len(layer.nr_heads)
+    before_any = policy.stats()  # nothing stored, nothing anticipated yet
+    assert (before_any["mem_percent"], before_any["tokens_fetched_per_anticipation"]) == (0.0, 0.0)
     g = torch.Generator().manual_seed(3)
     H, D = PAPER_CFG.n_heads, PAPER_CFG.head_dim
     layer.prefill(torch.randn(1, H, T, D, generator=g).to(DEVICE), torch.randn(1, Hkv, T, D, generator=g).to(DEVICE),
