@@ -1,7 +1,7 @@
 """icecache against test_icecache_paper's transcription where mutation testing (docs/mutation.md)
 found wrong implementations the other tests pass: a short prompt, so the tree starts with no
 page, then fewer pages than a step selects (a tree of at most k pages is read whole, without a
-search), and grows past k while decoding."""
+search), and grows past k while decoding; the pages recalled, summed over the steps."""
 import torch
 
 from minikv.policies import make
@@ -31,3 +31,5 @@ def test_a_short_prompt_reads_every_page_until_the_tree_outgrows_k():
         torch.testing.assert_close(out, want)
         policy.end_step()
     assert {0, 1, paper.K} <= n_pages and max(n_pages) > paper.K  # none, fewer than k, k, more
+    # line 23's copies, summed over the steps: what the paged store counted
+    assert policy.stats()["pages_recalled"] == layer.kv.pages_recalled > 0
