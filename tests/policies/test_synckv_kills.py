@@ -1,8 +1,9 @@
 """SyncKV's clustering steps against their definitions, where mutation testing (docs/mutation.md)
 found wrong implementations the other tests pass: Eq. 1 on sets of one token, Eq. 2 as a mean
 over steps (per layer, in float64), K-means on heads whose rows of D coincide (App. B.1: two heads
-that attend alike), and the best of K-means' restarts. Offline arithmetic on small host tensors; and the counts behind Mem% and the transfers, from what the
-heads read."""
+that attend alike), and the best of K-means' restarts. Offline arithmetic on small host tensors;
+and the counts behind Mem% and the transfers, from what the heads read; a lone R-head under
+the union; prefill's output; two-head layers."""
 import pytest
 import torch
 
