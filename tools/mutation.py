@@ -45,11 +45,16 @@ SCOPES = {
                     "-k", "not one_pass"]),
     "freekv": ([f"{POL}/freekv.py"],
                [f"{T}/test_freekv_paper.py", f"{T}/test_freekv.py", f"{T}/test_freekv_kills.py", *NOT_MODELS]),
-    "paged": ([f"{POL}/paged.py"], [f"{T}/test_paged.py", f"{T}/test_freekv_paper.py", f"{T}/test_freekv_kills.py"]),
+    # paged.py serves freekv and icecache: both policies' tests judge it
+    "paged": ([f"{POL}/paged.py"], [f"{T}/test_paged.py", f"{T}/test_paged_kills.py", f"{T}/test_freekv_paper.py",
+                                    f"{T}/test_freekv_kills.py", f"{T}/test_icecache.py", f"{T}/test_icecache_kills.py",
+                                    *NOT_MODELS]),
     "icecache": ([f"{POL}/icecache/{m}.py" for m in ("tree", "search", "policy")],
-                 [f"{T}/test_icecache_paper.py", f"{T}/test_dci.py", f"{T}/test_icecache.py", *NOT_MODELS]),
+                 [f"{T}/test_icecache_paper.py", f"{T}/test_dci.py", f"{T}/test_icecache.py",
+                  f"{T}/test_icecache_kills.py", *NOT_MODELS]),
     "synckv": ([f"{POL}/synckv/{m}.py" for m in ("bank", "clusters", "layer", "policy")],
-               [f"{T}/test_synckv_paper.py", f"{T}/test_synckv_clusters.py", f"{T}/test_synckv.py", *NOT_MODELS]),
+               [f"{T}/test_synckv_paper.py", f"{T}/test_synckv_clusters.py", f"{T}/test_synckv.py",
+                f"{T}/test_synckv_kills.py", *NOT_MODELS]),
 }
 SCOPES["kernels/page_scores"][1].extend(["tests/kernels/test_quant2_codes.py", f"{T}/test_freekv_kills.py"])
 SCOPES["kernels/dci_scores"][1].append("tests/kernels/test_dci_scores_kills.py")
