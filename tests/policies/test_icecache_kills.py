@@ -3,9 +3,11 @@ found wrong implementations the other tests pass: a short prompt, so the tree st
 page, then fewer pages than a step selects (a tree of at most k pages is read whole, without a
 search), and grows past k while decoding; the pages recalled, summed over the steps; and the
 tree's insert across promotions (levels by the counter, the nearest parent)."""
+import pytest
 import torch
 
 from minikv.policies import make
+from minikv.policies.icecache.search import field_of_view, page_select
 from minikv.policies.icecache.tree import DCIForest, level_of, levels_of, random_direction
 
 from ..fixtures import DEVICE
@@ -67,3 +69,27 @@ def test_insert_promotes_by_the_counter_and_takes_the_nearest_older_parent():
             best = float(sim[h].max())
             assert int(got[h]) in older.tolist()
             assert float(sim[h, older.tolist().index(int(got[h]))]) >= best - 1e-4  # float32 near-ties aside
+
+
+@pytest.mark.parametrize("backend", ["reference", "eager"])
+def test_the_policys_field_of_view_reaches_the_search(backend):
+    # a field of view of 1 node per level: each layer's select is PAGE-SELECT with that fov (the
+    # reference search.page_select, group-merged), and on this tree it chooses other pages than
+    # the default fov would, so a select that dropped the policy's fov would be seen
+    spec = (f"icecache:page_size={paper.P},sink={paper.SINK},window={paper.WINDOW},"
+            f"budget={paper.SINK + paper.WINDOW + paper.K * paper.P},skip_layers=0,fov=1,prop=0.25,backend={backend}")
+    T = 2400
+    policy = make(spec).bind(paper.CFG, device=DEVICE, dtype=torch.float32, max_len=T + 1)
+    layer, G = policy.layers[0], paper.CFG.n_groups
+    g = torch.Generator().manual_seed(5)
+    H, Hkv, D = paper.CFG.n_heads, paper.CFG.n_kv_heads, paper.CFG.head_dim
+    q, k, v = torch.randn(1, H, T, D, generator=g), torch.randn(1, Hkv, T, D, generator=g), torch.randn(1, Hkv, T, D, generator=g)
+    layer.prefill(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)
+    f, K, differs = layer.forest, layer.K, 0
+    for _ in range(8):
+        q1 = torch.randn(1, H, D, generator=g)
+        want = page_select(f, q1[0], K, 1, 0.25, policy.batch)
+        assert [set(row) - {-1} for row in layer.select(q1.to(DEVICE)).tolist()] == [set(row) - {-1} for row in want.tolist()]
+        wide = page_select(f, q1[0], K, field_of_view(f.n), 0.25, policy.batch)
+        differs += [set(r) for r in want.tolist()] != [set(r) for r in wide.tolist()]
+    assert differs  # the field of view changes the choice on this tree

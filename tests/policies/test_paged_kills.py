@@ -7,7 +7,7 @@ multiple of n_window, and what attention reads and the device holds is counted f
 import pytest
 import torch
 
-from .test_paged import H, make_store, tokens
+from .test_paged import D, H, make_store, tokens
 
 
 @pytest.mark.parametrize("n_sink, n_window", [(1, 3), (2, 3), (0, 2), (3, 2)])
@@ -38,3 +38,53 @@ def test_pages_sit_in_sink_select_window_order(n_sink, n_window):
         chosen = [t for c in sorted(pick[h]) for t in range((n_sink + c) * P, (n_sink + c + 1) * P)]
         assert [t for t in row if t >= 0] == list(range(n_sink * P)) + chosen + window
     assert store.device_tokens() == n_sink * P + len(window) + n_select * P
+
+
+@pytest.mark.parametrize("dropped_head", [0, 1])
+def test_a_recall_that_only_empties_a_slot_empties_its_length(dropped_head):
+    # a recall that copies nothing and only frees a slot (here candidate 0's, in either head)
+    # must still zero that slot's length, or attention keeps reading the page that left; the
+    # selected slots' lengths are each held page's fill, -1 none: written from the definition
+    P, n_sink, n_select = 4, 1, 2
+    k, v = tokens(8 * P, 3)
+    store = make_store(P, n_sink, n_select, 2)
+    for t in range(k.shape[2]):
+        store.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        store.roll()
+    held = [[1, 3], [1, 3]]
+    held[dropped_head] = [0, 2]  # only the dropping head holds candidate 0
+    assert store.recall(torch.tensor(held)) == 4
+    keep = [list(row) for row in held]
+    keep[dropped_head] = [-1, 2]  # that head lets candidate 0 go, and nothing is copied
+    assert store.recall(torch.tensor(keep)) == 0
+    lens = store.pool.page_lens[0, :, n_sink:n_sink + n_select].tolist()  # (H, n_select)
+    for h, held in enumerate(store.held):
+        assert sorted(c for c in held if c >= 0) == sorted(c for c in keep[h] if c >= 0)
+        assert lens[h] == [P if c >= 0 else 0 for c in held]
+    store.attend(torch.randn(1, H, D).to(k.device))
+    read = [t for t in store.read_indices()[dropped_head].tolist() if t >= 0]
+    assert not set(range(n_sink * P, (n_sink + 1) * P)) & set(read)  # candidate 0's tokens are not read
+
+
+def test_a_grown_page_leaves_its_slot_and_only_its_slot():
+    # icecache's pages grow: a store that names candidate 2 of head 0 as changed empties the slot
+    # holding it (held -1, length 0, so attention stops reading the stale copy and the next
+    # recall copies it again) and leaves every other slot as it was
+    P, n_sink, n_select = 4, 1, 2
+    k, v = tokens(8 * P, 4)
+    store = make_store(P, n_sink, n_select, 2)
+    for t in range(k.shape[2]):
+        store.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        store.roll()
+    store.recall(torch.tensor([[0, 2], [2, 1]]))
+    before = [list(row) for row in store.held]
+    store.candidates.offload = lambda k, v, first: [[2], []]  # what a growing store reports
+    store.store(None, None, store.n_cand)
+    for h in range(H):
+        for j, c in enumerate(before[h]):
+            gone = h == 0 and c == 2
+            assert store.held[h][j] == (-1 if gone else c)
+            assert store.held_lens[h][j] == (0 if gone else P)
+            assert store.pool.page_lens[0, h, n_sink + j] == (0 if gone else P)
+    assert store.pool.page_lens[0, :, :n_sink].eq(P).all()  # the sink slots untouched
+    assert store.recall(torch.tensor(before)) == 1  # the next recall copies the grown page again
