@@ -89,9 +89,18 @@ def test_group_consistent_selection_invariant_to_head_order_within_group(backend
     order = torch.tensor([m * G + j for m in range(Hkv) for j in perm], device=q.device)
     a = page_scores(q, lo, hi, n_valid, k, 0.5, reduce, backend=backend)
     b = page_scores(q[:, order], lo, hi, n_valid, k, 0.5, reduce, backend=backend)
-    assert torch.equal(a[1], b[1])
     finite = a[0] > float("-inf")
     assert_close(b[0][finite], a[0][finite], torch.float32, name="scores")
+    if reduce != "softmax_mean":  # sums and maxima of integer scores: exact in any order
+        assert torch.equal(a[1], b[1])
+        return
+    # the group's softmax shares summed in another order round differently (by up to G ulps of
+    # 1), so pages the integer boxes tie exactly may swap places; every other pick is the same
+    tol = G * torch.finfo(torch.float32).eps
+    for ia, ib, sa in zip(a[1].flatten(0, 1).tolist(), b[1].flatten(0, 1).tolist(), a[0].flatten(0, 1)):
+        kth = sa[[p for p in ia if p >= 0][-1]] if ia[0] >= 0 else None
+        for p in set(ia) ^ set(ib):
+            assert p >= 0 and kth is not None and abs(sa[p] - kth) <= tol, (ia, ib)
 
 
 def test_every_head_of_a_group_shares_one_selection_and_pads_with_minus_one(device):
