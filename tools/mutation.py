@@ -37,7 +37,7 @@ NOT_MODELS = ["-k", "not smollm2 and not triton"]
 SCOPES = {
     **{f"kernels/{op}": ([f"minikv/kernels/{op}/reference.py"], [f"tests/kernels/test_{op}.py"])
        for op in KERNELS},
-    "streaming": ([f"{POL}/streaming.py"], [f"{T}/test_streaming.py"]),
+    "streaming": ([f"{POL}/streaming.py"], [f"{T}/test_streaming.py", *NOT_MODELS]),
     "h2o": ([f"{POL}/h2o.py"], [f"{T}/test_h2o.py"]),
     # one_pass: the fast layer's score against the reference's (layer_fast, not mutated here)
     "softfreeze": ([f"{POL}/softfreeze/schedule.py", f"{POL}/softfreeze/policy.py"],
