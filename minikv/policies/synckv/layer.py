@@ -97,8 +97,7 @@ class SyncKVLayer(LayerKV):
         if self.union:
             seen = set()
             pairs = [(t, s) for t, s in pairs if not (t in seen or seen.add(t))]
-        first, R = self.ring_start, self.ring
-        pairs += [(t, first + t % R) for t in self.window_tokens()]  # ring_slot(t)
+        pairs += [(t, self.ring_slot(t)) for t in self.window_tokens()]
         return pairs if self.offload else [(t, t) for t, _ in pairs]
 
     def read_tokens(self, c: int, dynamic=None) -> list[int]:
