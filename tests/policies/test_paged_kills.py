@@ -40,17 +40,24 @@ def test_pages_sit_in_sink_select_window_order(n_sink, n_window):
     assert store.device_tokens() == n_sink * P + len(window) + n_select * P
 
 
+def decoded_store(P, n_sink, n_select, seed):
+    """A store (window of 2 pages) fed 8 pages of tokens one at a time, rolling as decoding does:
+    -> (store, the keys fed)."""
+    k, v = tokens(8 * P, seed)
+    store = make_store(P, n_sink, n_select, 2)
+    for t in range(k.shape[2]):
+        store.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        store.roll()
+    return store, k
+
+
 @pytest.mark.parametrize("dropped_head", [0, 1])
 def test_a_recall_that_only_empties_a_slot_empties_its_length(dropped_head):
     # a recall that copies nothing and only frees a slot (here candidate 0's, in either head)
     # must still zero that slot's length, or attention keeps reading the page that left; the
     # selected slots' lengths are each held page's fill, -1 none: written from the definition
     P, n_sink, n_select = 4, 1, 2
-    k, v = tokens(8 * P, 3)
-    store = make_store(P, n_sink, n_select, 2)
-    for t in range(k.shape[2]):
-        store.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
-        store.roll()
+    store, k = decoded_store(P, n_sink, n_select, seed=3)
     held = [[1, 3], [1, 3]]
     held[dropped_head] = [0, 2]  # only the dropping head holds candidate 0
     assert store.recall(torch.tensor(held)) == 4
@@ -71,11 +78,7 @@ def test_a_grown_page_leaves_its_slot_and_only_its_slot():
     # holding it (held -1, length 0, so attention stops reading the stale copy and the next
     # recall copies it again) and leaves every other slot as it was
     P, n_sink, n_select = 4, 1, 2
-    k, v = tokens(8 * P, 4)
-    store = make_store(P, n_sink, n_select, 2)
-    for t in range(k.shape[2]):
-        store.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
-        store.roll()
+    store, _ = decoded_store(P, n_sink, n_select, seed=4)
     store.recall(torch.tensor([[0, 2], [2, 1]]))
     before = [list(row) for row in store.held]
     store.candidates.offload = lambda k, v, first: [[2], []]  # what a growing store reports
