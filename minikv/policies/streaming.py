@@ -279,14 +279,15 @@ class Streaming(Policy):
                 f"streaming: sink + window + R = {self.budget} exceeds the model's context of "
                 f"{cfg.max_position_embeddings} positions (cache positions reach sink + window + R - 1)")
 
+    def allocate_shared(self) -> None:
+        # the cache never holds more than C + R tokens (max_len when it never prunes)
+        self.capacity = min(self.budget, self.max_len) if self.R else self.max_len
+        self.inv_freq = self.rope.inv_freq.to(self.tiers.device)
+        shape = (self.batch_size, self.cfg.n_kv_heads, self.capacity, self.cfg.head_dim)
+        # one scratch for all layers (they run one after another): overlapping moves go through it
+        self.scratch = torch.zeros(shape, dtype=self.dtype, device=self.tiers.device)
+
     def make_layer(self, index: int) -> StreamingLayer:
-        if index == 0:
-            # the cache never holds more than C + R tokens (max_len when it never prunes)
-            self.capacity = min(self.budget, self.max_len) if self.R else self.max_len
-            self.inv_freq = self.rope.inv_freq.to(self.tiers.device)
-            shape = (self.batch_size, self.cfg.n_kv_heads, self.capacity, self.cfg.head_dim)
-            # one scratch for all layers (they run one after another): overlapping moves go through it
-            self.scratch = torch.zeros(shape, dtype=self.dtype, device=self.tiers.device)
         return StreamingLayer(self, index)
 
     def aux_bytes(self) -> tuple[int, int]:

@@ -228,10 +228,10 @@ def test_prefill_equals_token_by_token_decode():
     ("streaming:R=-1", "R"),
     ("streaming:slack=-2", "slack"),
     ("streaming:max_drop=-1", "max_drop"),
-    ("streaming:sink=0,window=0", "sink \\+ window"),
+    ("streaming:sink=0,window=0", "^streaming: sink \\+ window must be >= 1 \\(the cache would keep nothing\\)$"),
     ("streaming:budget=256,window=100", "contradicts"),
-    ("streaming:budget=20,sink=4,R=32", "budget"),
-    ("streaming:budget=256,R=0", "R >= 1"),
+    ("streaming:budget=20,sink=4,R=32", "^streaming: budget = 20 must be >= sink \\+ R = 36$"),
+    ("streaming:budget=256,R=0", "^streaming: budget needs R >= 1 \\(R = 0 never prunes"),
     ("streaming:window=2.5", "window"),
     ("streaming:size=3", "no parameter"),
 ])
@@ -258,6 +258,9 @@ def test_defaults_and_budget():
     p = make("streaming:budget=256,R=1,slack=0,max_drop=0")
     assert p.window == 251 and p.budget == 256
     assert make("streaming:R=0").budget is None
+    # the smallest budget, sink + R, leaves a window of 0: the sinks and the lazy allowance
+    p = make("streaming:budget=36,sink=4,R=32")
+    assert p.window == 0 and p.budget == 36 and p.soft_capacity == 4
 
 
 def test_stats_and_budget_hold_over_a_run():
@@ -282,6 +285,58 @@ def test_stats_and_budget_hold_over_a_run():
     # the preallocated C + R slots, and the compaction scratch (one tensor of C + R slots, K or V)
     assert st_["device_bytes_allocated"] == 40 * policy.token_bytes() + 40 * policy.token_bytes() // 2
     assert st_["device_bytes"] == layer.n * policy.token_bytes()  # the tokens held now
+    assert st_["host_bytes_allocated"] == 0  # streaming keeps nothing on the host
+    prefill_drops = schedule(50, 4, 28, 8, 4, 6)[2]
+    assert len(prefill_drops) >= 2 and len(drops) >= 2 and st_["dropped_per_event_mean"] == sum(drops) / len(drops)
+    assert {k: st_[k] for k in ("sink", "window", "R", "slack", "max_drop", "soft_capacity", "hard_capacity",
+                                "compactions")} == dict(sink=4, window=28, R=8, slack=4, max_drop=6,
+                                                        soft_capacity=32, hard_capacity=36,
+                                                        # the prefill replays its events and moves once
+                                                        compactions=len(drops) - len(prefill_drops) + 1)
+
+
+def test_stats_before_any_prune():
+    policy = make("streaming:budget=40,sink=4,R=8").bind(tiny_config(), device=DEVICE, dtype=torch.float32,
+                                                          max_len=200)
+    st_ = policy.stats()
+    assert (st_["prune_events"], st_["tokens_dropped"], st_["compactions"]) == (0, 0, 0)
+    assert st_["dropped_per_event_max"] == 0 and st_["dropped_per_event_mean"] == 0.0
+
+
+def test_the_cache_and_its_scratch_hold_the_models_dtype():
+    """bfloat16 K and V, and a compaction through the scratch (an overlapping move) keeps them so."""
+    cfg = tiny_config()
+    policy = make("streaming:budget=24,sink=2,R=4,slack=0,max_drop=0").bind(cfg, device=DEVICE,
+                                                                              dtype=torch.bfloat16, max_len=64)
+    layer = policy.layer(0)
+    assert layer.k.dtype == layer.v.dtype == policy.scratch.dtype == torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    x = lambda H, T: torch.randn(1, H, T, cfg.head_dim, generator=g).to(DEVICE, torch.bfloat16)
+    layer.prefill(x(4, 30), x(2, 30), x(2, 30), torch.arange(30, device=DEVICE)[None])
+    assert policy.stats()["compactions"] == 1 and layer.k.dtype == torch.bfloat16
+
+
+def test_a_sliding_window_shorter_than_max_len_is_refused():
+    """The sinks sit outside any sliding window; a window as long as the sequence never slides."""
+    import dataclasses
+
+    cfg = dataclasses.replace(tiny_config(), sliding_window=64)
+    make("streaming:budget=24,sink=2,R=4").bind(cfg, device=DEVICE, dtype=torch.float32, max_len=64)
+    with pytest.raises(ValueError, match="^streaming does not combine with a sliding-window model \\(Mistral\\) "
+                                         "shorter than max_len$"):
+        make("streaming:budget=24,sink=2,R=4").bind(cfg, device=DEVICE, dtype=torch.float32, max_len=65)
+
+
+def test_prefill_refuses_a_second_prompt_and_other_positions():
+    cfg = tiny_config()
+    policy = make("streaming:budget=24,sink=2,R=4").bind(cfg, device=DEVICE, dtype=torch.float32, max_len=64)
+    layer = policy.layer(0)
+    x = lambda H, T: torch.randn(1, H, T, cfg.head_dim).to(DEVICE)
+    with pytest.raises(ValueError, match="^streaming: the prompt must sit at positions 0\\.\\.T-1 \\(one sequence"):
+        layer.prefill(x(4, 5), x(2, 5), x(2, 5), torch.arange(1, 6, device=DEVICE)[None])
+    layer.prefill(x(4, 5), x(2, 5), x(2, 5), torch.arange(5, device=DEVICE)[None])
+    with pytest.raises(RuntimeError, match="^streaming: prefill runs once, on an empty cache$"):
+        layer.prefill(x(4, 5), x(2, 5), x(2, 5), torch.arange(5, device=DEVICE)[None])
 
 
 def test_model_rotates_at_the_positions_the_policy_chooses(reference_dir):
