@@ -244,6 +244,8 @@ def test_window_beyond_context_is_an_error():
     cfg = tiny_config(context=512)
     with pytest.raises(ValueError, match="context"):
         make("streaming:sink=4,window=500,R=32").bind(cfg, device=DEVICE, dtype=torch.float32, max_len=100)
+    # cache positions reach C + R - 1: a budget of exactly the context fits
+    make("streaming:sink=4,window=476,R=32").bind(cfg, device=DEVICE, dtype=torch.float32, max_len=600)
     # pruning keeps positions below C + R, so a sequence longer than the context is fine ...
     make("streaming:sink=4,window=400,R=32").bind(cfg, device=DEVICE, dtype=torch.float32, max_len=10_000)
     # ... but not without pruning
