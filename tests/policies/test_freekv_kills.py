@@ -22,7 +22,7 @@ from minikv.policies import make
 
 from ..fixtures import DEVICE
 from .test_freekv import run_against_oracle
-from .test_freekv_paper import CFG, K, P, SINK, SPEC, WINDOW
+from .test_freekv_paper import CFG, K, P, SINK, SPEC, WINDOW, PaperFreeKV
 
 
 def own_box(pages: torch.Tensor, digest: str):
@@ -133,13 +133,13 @@ def test_prefill_output_the_unit_query_and_the_step_counts():
 # -- the rest of freekv.py (docs/mutation.md, freekv): its statistics, construction and checks --
 
 def prompt(policy, T=30, seed=3):
-    """Prefill every layer of `policy` with random q, k, v of T tokens (CFG's heads) -> the last query (1, Hq, D)."""
+    """Prefill every layer of `policy` with random q, k, v (1, H, T, D) of T tokens (CFG's heads) -> q, k, v."""
     g, D = torch.Generator().manual_seed(seed), CFG.head_dim
     q, k, v = (torch.randn(1, H, T, D, generator=g) for H in (CFG.n_heads, CFG.n_kv_heads, CFG.n_kv_heads))
     for layer in policy.layers:
         layer.prefill(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)
     policy.end_step()
-    return q[:, :, -1]
+    return q, k, v
 
 
 def test_the_speculation_hit_rate_counts_every_head_of_every_comparison():
@@ -148,7 +148,7 @@ def test_the_speculation_hit_rate_counts_every_head_of_every_comparison():
     policy = make(SPEC).bind(CFG, device=DEVICE, dtype=torch.float32, max_len=64)
     assert math.isnan(policy.stats()["speculative_exact_rate"])
     layer = policy.layers[0]
-    held = layer.select(prompt(policy).to(DEVICE))  # (Hkv, K): what prefill recalled into the slots
+    held = layer.select(prompt(policy)[0][:, :, -1].to(DEVICE))  # (Hkv, K): what prefill recalled into the slots
     other = held.clone()
     other[0, 0] = -1  # KV head 0 one page short: not the slots' pages
     for selection in (held, held, other):
@@ -157,22 +157,32 @@ def test_the_speculation_hit_rate_counts_every_head_of_every_comparison():
     assert policy.stats()["speculative_exact_rate"] == 5 / 6
 
 
-def test_the_step_rates_divide_by_the_steps_counted():
-    """correction_step_rate = correcting layer-steps / layer-steps, pages_recalled_per_step = pages
-    recalled / decode steps (prefill's end_step not one): queries that flip sign (cos -1 < tau)
-    at decode steps 1 and 3 and repeat (cos 1) at 2 and 4 correct 2 of 4 steps."""
+def test_the_step_counts_and_rates_count_only_steps_that_choose():
+    """Heads are judged (C_m < tau) and speculation compared only at steps with more candidates
+    than K (the transcription's paging says which); correction_step_rate = correcting layer-steps /
+    layer-steps, pages_recalled_per_step = pages recalled / decode steps (prefill's end_step not
+    one). An 18-token prompt leaves 2 candidates, K = 3: steps at L = 19 .. 24 choose nothing
+    (L = 21 .. 24 with exactly K; pages leave the window at 20 and 24), L = 25 .. 28 choose. The
+    query flips sign (cos -1 < tau) at L = 19, 22, 25, 28 and repeats (cos 1) at the others: 2
+    correcting steps (25; 28, where a page also leaves the window) and 2 speculating ones (26, 27)."""
     policy = make(SPEC).bind(CFG, device=DEVICE, dtype=torch.float32, max_len=64)
     assert (policy.stats()["correction_step_rate"], policy.stats()["pages_recalled_per_step"]) == (0.0, 0.0)
-    q = prompt(policy)
-    g, D, layer = torch.Generator().manual_seed(4), CFG.head_dim, policy.layers[0]
-    for step in range(4):
-        q = -q if step % 2 == 0 else q
+    q, k, v = prompt(policy, T=18)
+    q = q[:, :, -1]  # (1, Hq, D)
+    paper = PaperFreeKV(CFG.n_groups)
+    paper.prefill(q[0], k[0], v[0])
+    g, D, layer, choosing = torch.Generator().manual_seed(4), CFG.head_dim, policy.layers[0], 0
+    for L in range(19, 29):
+        q = -q if L % 3 == 1 else q
         k, v = (torch.randn(1, CFG.n_kv_heads, 1, D, generator=g) for _ in range(2))
         layer.decode(q[:, :, None].to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)
         policy.end_step()
-    s, recalled = policy.stats(), layer.kv.pages_recalled
-    assert (policy.corrected_steps, policy.layer_steps) == (2, 4) and s["correction_step_rate"] == 0.5
-    assert recalled > 0 and s["pages_recalled_per_step"] == recalled / 4
+        paper.decode(q[0], k[0, :, 0], v[0, :, 0])
+        choosing += paper.choosing
+    Hkv, s, recalled = CFG.n_kv_heads, policy.stats(), layer.kv.pages_recalled
+    assert choosing == 4 and (policy.head_steps, policy.spec_compared) == (Hkv * 4, Hkv * 4)
+    assert (policy.corrected_steps, policy.layer_steps) == (2, 10) and s["correction_step_rate"] == 0.2
+    assert recalled > 0 and s["pages_recalled_per_step"] == recalled / 10
 
 
 def test_the_stores_take_the_policys_dtype_backend_and_shared_staging():
@@ -217,6 +227,6 @@ def test_the_budget_skip_layers_and_sliding_window_edges():
     assert [type(layer).__name__ for layer in policy.layers] == ["FullLayer", "FullLayer"]
     make(SPEC).bind(ModelConfig(**{**CFG.__dict__, "sliding_window": 64}), device=DEVICE, dtype=torch.float32,
                     max_len=64)
-    with pytest.raises(ValueError, match=r"sliding-window model \(Mistral\) shorter than max_len"):
+    with pytest.raises(ValueError, match=r"^freekv does not combine with a sliding-window model \(Mistral\) shorter than max_len$"):
         make(SPEC).bind(ModelConfig(**{**CFG.__dict__, "sliding_window": 63}), device=DEVICE, dtype=torch.float32,
                         max_len=64)
