@@ -11,7 +11,11 @@ float64, and nothing of minikv's digests or scores is used:
     group reduce     softmax_mean 1/G sum_j softmax(s P_j), mean 1/G sum_j P_j, max max_j P_j
 
 then the top K per KV head, ties to the lower page. The cases are fixed (not drawn): a near-tie
-between two pages could rank differently in float64 and in the policy's float32."""
+between two pages could rank differently in float64 and in the policy's float32.
+
+After the oracle, the kills among the rest of freekv.py's mutants (docs/mutation.md, freekv): the
+statistics (counted only at the steps that choose, divided by the steps they count), the stores'
+dtype, backend and shared staging, the background worker, the host tier, and the parameters' edges."""
 import math
 
 import pytest
@@ -162,9 +166,9 @@ def test_the_step_counts_and_rates_count_only_steps_that_choose():
     than K (the transcription's paging says which); correction_step_rate = correcting layer-steps /
     layer-steps, pages_recalled_per_step = pages recalled / decode steps (prefill's end_step not
     one). An 18-token prompt leaves 2 candidates, K = 3: steps at L = 19 .. 24 choose nothing
-    (L = 21 .. 24 with exactly K; pages leave the window at 20 and 24), L = 25 .. 28 choose. The
+    (L = 21 .. 24 with exactly K; pages leave the window at 20 and 24), L = 25 .. 29 choose. The
     query flips sign (cos -1 < tau) at L = 19, 22, 25, 28 and repeats (cos 1) at the others: 2
-    correcting steps (25; 28, where a page also leaves the window) and 2 speculating ones (26, 27)."""
+    correcting steps (25; 28, where a page also leaves the window) and 3 speculating ones."""
     policy = make(SPEC).bind(CFG, device=DEVICE, dtype=torch.float32, max_len=64)
     assert (policy.stats()["correction_step_rate"], policy.stats()["pages_recalled_per_step"]) == (0.0, 0.0)
     q, k, v = prompt(policy, T=18)
@@ -172,7 +176,7 @@ def test_the_step_counts_and_rates_count_only_steps_that_choose():
     paper = PaperFreeKV(CFG.n_groups)
     paper.prefill(q[0], k[0], v[0])
     g, D, layer, choosing = torch.Generator().manual_seed(4), CFG.head_dim, policy.layers[0], 0
-    for L in range(19, 29):
+    for L in range(19, 30):
         q = -q if L % 3 == 1 else q
         k, v = (torch.randn(1, CFG.n_kv_heads, 1, D, generator=g) for _ in range(2))
         layer.decode(q[:, :, None].to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)
@@ -180,9 +184,9 @@ def test_the_step_counts_and_rates_count_only_steps_that_choose():
         paper.decode(q[0], k[0, :, 0], v[0, :, 0])
         choosing += paper.choosing
     Hkv, s, recalled = CFG.n_kv_heads, policy.stats(), layer.kv.pages_recalled
-    assert choosing == 4 and (policy.head_steps, policy.spec_compared) == (Hkv * 4, Hkv * 4)
-    assert (policy.corrected_steps, policy.layer_steps) == (2, 10) and s["correction_step_rate"] == 0.2
-    assert recalled > 0 and s["pages_recalled_per_step"] == recalled / 10
+    assert choosing == 5 and (policy.head_steps, policy.spec_compared) == (Hkv * 5, Hkv * 5)
+    assert (policy.corrected_steps, policy.layer_steps) == (2, 11) and s["correction_step_rate"] == 2 / 11
+    assert recalled > 0 and s["pages_recalled_per_step"] == recalled / 11
 
 
 def test_the_stores_take_the_policys_dtype_backend_and_shared_staging():
@@ -227,6 +231,7 @@ def test_the_budget_skip_layers_and_sliding_window_edges():
     assert [type(layer).__name__ for layer in policy.layers] == ["FullLayer", "FullLayer"]
     make(SPEC).bind(ModelConfig(**{**CFG.__dict__, "sliding_window": 64}), device=DEVICE, dtype=torch.float32,
                     max_len=64)
-    with pytest.raises(ValueError, match=r"^freekv does not combine with a sliding-window model \(Mistral\) shorter than max_len$"):
+    whole = r"^freekv does not combine with a sliding-window model \(Mistral\) shorter than max_len$"
+    with pytest.raises(ValueError, match=whole):
         make(SPEC).bind(ModelConfig(**{**CFG.__dict__, "sliding_window": 63}), device=DEVICE, dtype=torch.float32,
                         max_len=64)
