@@ -11,7 +11,11 @@ float64, and nothing of minikv's digests or scores is used:
     group reduce     softmax_mean 1/G sum_j softmax(s P_j), mean 1/G sum_j P_j, max max_j P_j
 
 then the top K per KV head, ties to the lower page. The cases are fixed (not drawn): a near-tie
-between two pages could rank differently in float64 and in the policy's float32."""
+between two pages could rank differently in float64 and in the policy's float32.
+
+After the oracle, the kills among the rest of freekv.py's mutants (docs/mutation.md, freekv): the
+statistics (counted only at the steps that choose, divided by the steps they count), the stores'
+dtype, backend and shared staging, the background worker, the host tier, and the parameters' edges."""
 import math
 
 import pytest
@@ -22,7 +26,7 @@ from minikv.policies import make
 
 from ..fixtures import DEVICE
 from .test_freekv import run_against_oracle
-from .test_freekv_paper import CFG, SPEC
+from .test_freekv_paper import CFG, K, P, SINK, SPEC, WINDOW, PaperFreeKV
 
 
 def own_box(pages: torch.Tensor, digest: str):
@@ -128,3 +132,106 @@ def test_prefill_output_the_unit_query_and_the_step_counts():
     small = torch.randn(1, CFG.n_heads, D, generator=g) * 0.01
     norms = torch.linalg.vector_norm(layer._unit(small.to(DEVICE)), dim=-1)
     torch.testing.assert_close(norms.cpu(), torch.ones(CFG.n_heads))
+
+
+# -- the rest of freekv.py (docs/mutation.md, freekv): its statistics, construction and checks --
+
+def prompt(policy, T=30, seed=3):
+    """Prefill every layer of `policy` with random q, k, v (1, H, T, D) of T tokens (CFG's heads) -> q, k, v."""
+    g, D = torch.Generator().manual_seed(seed), CFG.head_dim
+    q, k, v = (torch.randn(1, H, T, D, generator=g) for H in (CFG.n_heads, CFG.n_kv_heads, CFG.n_kv_heads))
+    for layer in policy.layers:
+        layer.prefill(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)
+    policy.end_step()
+    return q, k, v
+
+
+def test_the_speculation_hit_rate_counts_every_head_of_every_comparison():
+    """speculative_exact_rate = the KV heads whose q_{t-1} pages (the slots) equal q_t's, over the
+    heads compared, summed over comparisons; none compared yet: nan."""
+    policy = make(SPEC).bind(CFG, device=DEVICE, dtype=torch.float32, max_len=64)
+    assert math.isnan(policy.stats()["speculative_exact_rate"])
+    layer = policy.layers[0]
+    held = layer.select(prompt(policy)[0][:, :, -1].to(DEVICE))  # (Hkv, K): what prefill recalled into the slots
+    other = held.clone()
+    other[0, 0] = -1  # KV head 0 one page short: not the slots' pages
+    for selection in (held, held, other):
+        layer._count_speculation(selection)
+    assert (policy.spec_equal, policy.spec_compared) == (5, 6)
+    assert policy.stats()["speculative_exact_rate"] == 5 / 6
+
+
+def test_the_step_counts_and_rates_count_only_steps_that_choose():
+    """Heads are judged (C_m < tau) and speculation compared only at steps with more candidates
+    than K (the transcription's paging says which); correction_step_rate = correcting layer-steps /
+    layer-steps, pages_recalled_per_step = pages recalled / decode steps (prefill's end_step not
+    one). An 18-token prompt leaves 2 candidates, K = 3: steps at L = 19 .. 24 choose nothing
+    (L = 21 .. 24 with exactly K; pages leave the window at 20 and 24), L = 25 .. 29 choose. The
+    query flips sign (cos -1 < tau) at L = 19, 22, 25, 28 and repeats (cos 1) at the others: 2
+    correcting steps (25; 28, where a page also leaves the window) and 3 speculating ones."""
+    policy = make(SPEC).bind(CFG, device=DEVICE, dtype=torch.float32, max_len=64)
+    assert (policy.stats()["correction_step_rate"], policy.stats()["pages_recalled_per_step"]) == (0.0, 0.0)
+    q, k, v = prompt(policy, T=18)
+    q = q[:, :, -1]  # (1, Hq, D)
+    paper = PaperFreeKV(CFG.n_groups)
+    paper.prefill(q[0], k[0], v[0])
+    g, D, layer, choosing = torch.Generator().manual_seed(4), CFG.head_dim, policy.layers[0], 0
+    for L in range(19, 30):
+        q = -q if L % 3 == 1 else q
+        k, v = (torch.randn(1, CFG.n_kv_heads, 1, D, generator=g) for _ in range(2))
+        layer.decode(q[:, :, None].to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)
+        policy.end_step()
+        paper.decode(q[0], k[0, :, 0], v[0, :, 0])
+        choosing += paper.choosing
+    Hkv, s, recalled = CFG.n_kv_heads, policy.stats(), layer.kv.pages_recalled
+    assert choosing == 5 and (policy.head_steps, policy.spec_compared) == (Hkv * 5, Hkv * 5)
+    assert (policy.corrected_steps, policy.layer_steps) == (2, 11) and s["correction_step_rate"] == 2 / 11
+    assert recalled > 0 and s["pages_recalled_per_step"] == recalled / 11
+
+
+def test_the_stores_take_the_policys_dtype_backend_and_shared_staging():
+    """Every layer's host pages, device pool and the one staging pair (shared by all layers, which
+    recall one after another) hold the policy's dtype; the store runs the policy's backend."""
+    cfg = ModelConfig(**{**CFG.__dict__, "n_layers": 2})
+    policy = make(SPEC + ",backend=reference").bind(cfg, device=DEVICE, dtype=torch.bfloat16, max_len=64)
+    staging = policy.staging
+    assert {t.dtype for t in staging.host + staging.dev} == {torch.bfloat16}
+    for layer in policy.layers:
+        assert layer.kv.staging is staging and layer.kv.backend == "reference"
+        assert layer.pages.host.dtype == layer.kv.pool.k_pages.dtype == torch.bfloat16
+
+
+def test_the_worker_runs_in_the_background_only_where_it_may_and_outlives_a_bind():
+    """overlap=true selects on a background thread for speculative eager runs only (reference is
+    the readable form; plain Quest selects on the critical path); a new bind keeps the thread."""
+    policy = make(SPEC).bind(CFG, device=DEVICE, dtype=torch.float32, max_len=64)
+    worker = policy.worker
+    assert worker.background is True
+    assert policy.bind(CFG, device=DEVICE, dtype=torch.float32, max_len=64).worker is worker
+    for other in (",backend=reference", ",overlap=false", ",speculative=false"):
+        assert make(SPEC + other).bind(CFG, device=DEVICE, dtype=torch.float32, max_len=64).worker.background is False
+
+
+def test_the_host_tier_holds_max_len_and_the_selection_the_context():
+    """The host tier is preallocated for max_len tokens in whole pages; a budget past the context
+    selects at most every page of it (it then costs what full KV costs)."""
+    policy = make(SPEC).bind(CFG, device=DEVICE, dtype=torch.float32, max_len=61)
+    assert policy.layers[0].allocated_host_tokens() == math.ceil(61 / P) * P == 64
+    big = make(SPEC.replace(f"budget={SINK + WINDOW + P + K * P}", "budget=4096"))
+    assert big.bind(CFG, device=DEVICE, dtype=torch.float32, max_len=61).n_select == math.ceil(61 / P)
+
+
+def test_the_budget_skip_layers_and_sliding_window_edges():
+    """budget >= sink + window + 2 page_size (one page short is refused); skip_layers may be every
+    layer; a sliding window of exactly max_len is no window."""
+    with pytest.raises(ValueError, match="at least one selected page"):
+        make(f"freekv:page_size={P},sink={SINK},window={WINDOW},budget={SINK + WINDOW + P}")
+    cfg = ModelConfig(**{**CFG.__dict__, "n_layers": 2})
+    policy = make(SPEC + ",skip_layers=2").bind(cfg, device=DEVICE, dtype=torch.float32, max_len=64)
+    assert [type(layer).__name__ for layer in policy.layers] == ["FullLayer", "FullLayer"]
+    make(SPEC).bind(ModelConfig(**{**CFG.__dict__, "sliding_window": 64}), device=DEVICE, dtype=torch.float32,
+                    max_len=64)
+    whole = r"^freekv does not combine with a sliding-window model \(Mistral\) shorter than max_len$"
+    with pytest.raises(ValueError, match=whole):
+        make(SPEC).bind(ModelConfig(**{**CFG.__dict__, "sliding_window": 63}), device=DEVICE, dtype=torch.float32,
+                        max_len=64)
