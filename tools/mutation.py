@@ -68,6 +68,24 @@ MUTMUT = [sys.executable, "-m", "mutmut"]
 # a mutant's tests get 2 * 5 * (their clean CPU time + 1 s) (mutmut's default: 2 * 15 * ...), then
 # count as a timeout (killed: a mutant that makes the tests ten times slower is not the same program)
 TIMEOUT_MULTIPLIER = 5
+# mutmut's limit is CPU time, which a mutant that deadlocks (a thread waiting for a result never
+# sent) does not spend: a wall clock in each mutant's test run ends it with mutmut's timeout status
+# (36). Far above any scope's tests (under a minute of CPU), so only a hang reaches it.
+WALL_LIMIT_S = 300
+WALL_CLOCK = f"""
+
+# tools/mutation.py: a mutant's test run that hangs ends as a timeout (added to the copy only)
+@pytest.fixture(autouse=True, scope="session")
+def _mutation_wall_clock():
+    import os
+    import threading
+
+    if "__mutmut_" in os.environ.get("MUTANT_UNDER_TEST", ""):
+        timer = threading.Timer({WALL_LIMIT_S}, os._exit, (36,))
+        timer.daemon = True
+        timer.start()
+    yield
+"""
 
 
 def mutmut_section(modules: list[str], tests: list[str]) -> str:
@@ -87,6 +105,8 @@ def run_scope(scope: str, work: Path, children: int, only: list[str], ignore: li
     skip = shutil.ignore_patterns("__pycache__", ".hypothesis")
     for part in ("minikv", "tests", "reference"):  # reference/: the tests' model directories
         shutil.copytree(ROOT / part, here / part, ignore=skip)
+    with open(here / "tests" / "conftest.py", "a") as conftest:
+        conftest.write(WALL_CLOCK)
     (here / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text() + mutmut_section(modules, tests))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # mutmut puts its mutants first
     env.update(OMP_NUM_THREADS="1", HYPOTHESIS_PROFILE="mutation")  # ci's examples, no shrinking
