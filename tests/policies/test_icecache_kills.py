@@ -316,3 +316,24 @@ def test_the_host_bytes_count_the_tree_once_and_every_tensor_of_it():
     pages = anchor.kv.candidates
     assert pages.aux_bytes() == (0, pages.fill.numel() * pages.fill.element_size())
     assert anchor.allocated_host_tokens() * policy.token_bytes() == pages.host.numel() * pages.host.element_size()
+
+
+def test_equal_projections_in_large_nodes_go_to_the_older_point():
+    """Nodes of about 100 children (one point in 100 opens a node) over keys drawn from 40
+    (so many projections are equal): the reference query scans each node's children in projection
+    order, ties to the older point, and scores exactly the keys the batched search scores. torch's
+    CPU sort without stable=True reorders equal values in rows longer than 16."""
+    from minikv.policies.icecache import search_fast
+    from minikv.policies.icecache.search import query
+
+    H, n, D = 2, 1200, 8
+    g = torch.Generator().manual_seed(14)
+    keys = torch.randn(H, 40, D, generator=g)[:, torch.randint(0, 40, (n,), generator=g)]
+    f = DCIForest(n_heads=H, head_dim=D, page_size=4, capacity=n, u=random_direction(D))
+    fs = search_fast.FastSearch(f)
+    f.build(keys)
+    q = torch.randn(H, 3, D, generator=g)
+    ids, scores = search_fast.search(fs, q, torch.arange(H), 2, 0.5, 4)  # fov 2, prop 0.5, batches of 4
+    for h in range(H):
+        for j in range(3):
+            assert set(ids[h][scores[h, j] > float("-inf")].tolist()) == set(query(f, q[h, j], h, 2, 0.5, 4))
