@@ -127,24 +127,27 @@ def test_build_gives_every_point_its_nearest_parent_past_one_block():
         assert float(nearest_parent_gap(f, keys, 0, level).max()) < 1e-4
 
 
-def test_build_levels_and_pages_follow_the_counter_and_the_projections():
-    """Algorithm 2 with the forest's own promotion periods (first 7, nxt 2, not the module's
-    defaults): each point's level is the counter's; each node (the children of one parent) is cut
-    into pages of at most P in projection order, ties (duplicate keys) to the older point."""
-    H, D, n, P = 2, 8, 600, 4
+def test_levels_follow_the_forests_counter_and_pages_the_projections():
+    """Algorithm 2 and the insert with the forest's own promotion periods (first 7, nxt 2, not the
+    module's defaults): each point's level is the counter's, built or inserted; the build cuts each
+    node (the children of one parent) into pages of at most P in projection order, ties (duplicate
+    keys) to the older point."""
+    H, D, n, n0, P = 2, 8, 600, 400, 4
     g = torch.Generator().manual_seed(7)
     keys = torch.randn(H, n // 3, D, generator=g)[:, torch.randint(0, n // 3, (n,), generator=g)]  # duplicates
     f = DCIForest(n_heads=H, head_dim=D, page_size=P, capacity=n, u=random_direction(D), first=7, nxt=2)
-    f.build(keys)
-    levels = levels_of(torch.arange(n), 7, 2)
-    assert f.level[:n].tolist() == levels.tolist() and f.top == int(levels.max()) == 8  # t = 447: 7 * 2^6
+    f.build(keys[:, :n0])
     for h in range(H):
         want = set()
-        for parent in set(f.parent[h, :n].tolist()):
-            children = sorted((t for t in range(n) if int(f.parent[h, t]) == parent),
+        for parent in set(f.parent[h, :n0].tolist()):
+            children = sorted((t for t in range(n0) if int(f.parent[h, t]) == parent),
                               key=lambda t: (float(f.proj[h, t]), t))
             want |= {tuple(children[i:i + P]) for i in range(0, len(children), P)}
         assert {tuple(f.page_tokens(h, p)) for p in range(f.n_pages[h])} == want
+    for a in range(n0, n, 50):
+        f.insert(keys[:, a:a + 50])
+    levels = levels_of(torch.arange(n), 7, 2)
+    assert f.level[:n].tolist() == levels.tolist() and f.top == int(levels.max()) == 8  # t = 447: 7 * 2^6
 
 
 def test_the_transform_of_keys_and_queries_shorter_than_one():
