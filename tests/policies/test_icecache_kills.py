@@ -340,3 +340,14 @@ def test_equal_projections_in_large_nodes_go_to_the_older_point():
     for h in range(H):
         for j in range(3):
             assert set(ids[h][scores[h, j] > float("-inf")].tolist()) == set(query(f, q[h, j], h, 2, 0.5, 4))
+
+
+def test_pages_of_one_token():
+    """page_size=1: the first token that leaves the window builds the tree (tree id 0) and the
+    second is inserted into it (tree id 1), the cases where the first candidate page's first token
+    is 0 or 1; the outputs, the pages read and the host pages against test_icecache's oracle."""
+    from .test_icecache import run_against_oracle
+
+    policy = run_against_oracle(dict(P=1, sink=1, window=2, budget=5, T=3, steps=8, reuse=1, exhaustive=True,
+                                     fov=None, seed=0))
+    assert policy.layers[1].forest.n >= 5
