@@ -6,15 +6,20 @@ tree's insert across promotions (levels by the counter, the nearest parent). The
 tree.py and policy.py: the build past one block of the parent product, its levels and pages, Eqs.
 2-3 below norm 1, the prefill's output, the model's dtype, a budget past the tree, the seed, the
 checks, the statistics and the bytes reported."""
+import math
+from dataclasses import replace
+
 import pytest
 import torch
 
 from minikv.policies import make
-from minikv.policies.icecache.search import field_of_view, page_select
+from minikv.policies.icecache import search_fast
+from minikv.policies.icecache.search import field_of_view, page_select, query
 from minikv.policies.icecache.tree import DCIForest, level_of, levels_of, random_direction
 
 from ..fixtures import DEVICE
 from . import test_icecache_paper as paper
+from .test_icecache import check_host_pages, run_against_oracle
 
 
 def test_a_short_prompt_reads_every_page_until_the_tree_outgrows_k():
@@ -175,7 +180,7 @@ def test_the_prefill_is_causal_attention_and_reads_nothing_after():
     layer, G = policy.layers[0], paper.CFG.n_groups
     H, Hkv, D, T = paper.CFG.n_heads, paper.CFG.n_kv_heads, paper.CFG.head_dim, 30
     g = torch.Generator().manual_seed(9)
-    q, k, v = torch.randn(1, H, T, D, generator=g), torch.randn(1, Hkv, T, D, generator=g), torch.randn(1, Hkv, T, D, generator=g)
+    q, k, v = (torch.randn(1, h, T, D, generator=g) for h in (H, Hkv, Hkv))
     out = layer.prefill(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)
     assert layer.attended_indices() is None
     causal = torch.ones(T, T, dtype=torch.bool).tril()
@@ -188,8 +193,6 @@ def test_a_bfloat16_model_keeps_its_kv_in_bfloat16():
     """The host pages, the device pool and the output are the model's dtype (bfloat16, half the
     bytes of float32), the offloaded tokens sit in their host pages bit for bit, and the output is
     attention over what the layer says it read."""
-    from .test_icecache import check_host_pages
-
     T, steps, bf = 40, 12, torch.bfloat16
     policy = make(paper.SPEC).bind(paper.CFG, device=DEVICE, dtype=bf, max_len=T + steps)
     layer, G = policy.layers[0], paper.CFG.n_groups
@@ -227,10 +230,11 @@ def test_a_budget_past_the_tree_reads_every_page_and_no_more():
     keys, values = torch.randn(1, Hkv, T, D, generator=g), torch.randn(1, Hkv, T, D, generator=g)
     layer.prefill(torch.randn(1, H, T, D, generator=g).to(DEVICE), keys.to(DEVICE), values.to(DEVICE), None)
     for _ in range(steps):
-        q, k, v = torch.randn(1, H, 1, D, generator=g), torch.randn(1, Hkv, 1, D, generator=g), torch.randn(1, Hkv, 1, D, generator=g)
+        q, k, v = (torch.randn(1, h, 1, D, generator=g) for h in (H, Hkv, Hkv))
         keys, values = torch.cat((keys, k), 2), torch.cat((values, v), 2)
         out = layer.decode(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)[0, :, 0].cpu()
-        want = torch.stack([torch.softmax(q[0, j, 0] @ keys[0, j // G].T / D**0.5, -1) @ values[0, j // G] for j in range(H)])
+        want = torch.stack([torch.softmax(q[0, j, 0] @ keys[0, j // G].T / D**0.5, -1) @ values[0, j // G]
+                            for j in range(H)])
         torch.testing.assert_close(out, want)
         policy.end_step()
 
@@ -248,8 +252,6 @@ def test_the_seed_picks_one_unit_direction_for_every_layer():
 def test_what_the_policy_and_the_tree_refuse():
     """skip_layers up to the model's layers (all full), not past; a sliding window no shorter than
     max_len; the tree's capacity and its one build; the messages say the numbers."""
-    from dataclasses import replace
-
     base = f"icecache:page_size=4,sink=4,window=8,budget={4 + 8 + 4 * 3}"
     full = make(base + ",skip_layers=1").bind(paper.CFG, device=DEVICE, dtype=torch.float32, max_len=40)
     assert [type(layer).__name__ for layer in full.layers] == ["FullLayer"]
@@ -257,7 +259,8 @@ def test_what_the_policy_and_the_tree_refuse():
         make(base + ",skip_layers=2").bind(paper.CFG, device=DEVICE, dtype=torch.float32, max_len=40)
     mistral = replace(paper.CFG, sliding_window=64)
     make(base + ",skip_layers=0").bind(mistral, device=DEVICE, dtype=torch.float32, max_len=64)
-    with pytest.raises(ValueError, match=r"^icecache does not combine with a sliding-window model \(Mistral\) shorter than max_len$"):
+    with pytest.raises(ValueError, match=r"^icecache does not combine with a sliding-window model \(Mistral\) "
+                                         r"shorter than max_len$"):
         make(base + ",skip_layers=0").bind(mistral, device=DEVICE, dtype=torch.float32, max_len=65)
     with pytest.raises(ValueError, match="window >= 2 \\* page_size = 32 "):
         make("icecache:paper,window=16,page_size=16")
@@ -281,7 +284,8 @@ def test_stats_count_recalls_per_decode_step_keys_scored_and_page_fill():
     layer.prefill(*(torch.randn(1, h, T, D, generator=g).to(DEVICE) for h in (H, Hkv, Hkv)), None)
     policy.end_step()
     s = policy.stats()
-    assert (s["pages_recalled"], s["pages_recalled_per_step"]) == (0, 0.0) and s["keys_scored_fraction"] != s["keys_scored_fraction"]
+    assert (s["pages_recalled"], s["pages_recalled_per_step"]) == (0, 0.0)
+    assert math.isnan(s["keys_scored_fraction"])  # no search yet
     for _ in range(steps):
         layer.decode(*(torch.randn(1, h, 1, D, generator=g).to(DEVICE) for h in (H, Hkv, Hkv)), None)
         policy.end_step()
@@ -298,8 +302,6 @@ def test_the_host_bytes_count_the_tree_once_and_every_tensor_of_it():
     """IceCache(reuse): the anchor's host bytes exceed its reuse layer's by its tree's bytes (the
     tree counted once), which are every tensor the tree holds (u aside: one vector shared by all
     layers) plus its batched search's; the host pages are the slots allocated."""
-    from dataclasses import replace
-
     cfg = replace(paper.CFG, n_layers=2)
     policy = make("icecache:page_size=4,budget=24,sink=4,window=8,skip_layers=0,reuse_every=2").bind(
         cfg, device=DEVICE, dtype=torch.float32, max_len=160)
@@ -326,9 +328,6 @@ def test_equal_projections_in_large_nodes_go_to_the_older_point():
     (so many projections are equal): the reference query scans each node's children in projection
     order, ties to the older point, and scores exactly the keys the batched search scores. torch's
     CPU sort without stable=True reorders equal values in rows longer than 16."""
-    from minikv.policies.icecache import search_fast
-    from minikv.policies.icecache.search import query
-
     H, n, D = 2, 1200, 8
     g = torch.Generator().manual_seed(14)
     keys = torch.randn(H, 40, D, generator=g)[:, torch.randint(0, 40, (n,), generator=g)]
@@ -346,8 +345,6 @@ def test_pages_of_one_token():
     """page_size=1: the first token that leaves the window builds the tree (tree id 0) and the
     second is inserted into it (tree id 1), the cases where the first candidate page's first token
     is 0 or 1; the outputs, the pages read and the host pages against test_icecache's oracle."""
-    from .test_icecache import run_against_oracle
-
     policy = run_against_oracle(dict(P=1, sink=1, window=2, budget=5, T=3, steps=8, reuse=1, exhaustive=True,
                                      fov=None, seed=0))
     assert policy.layers[1].forest.n >= 5
