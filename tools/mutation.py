@@ -69,10 +69,30 @@ MUTMUT = [sys.executable, "-m", "mutmut"]
 # count as a timeout (killed: a mutant that makes the tests ten times slower is not the same program)
 TIMEOUT_MULTIPLIER = 5
 # mutmut's limit is CPU time, which a mutant that deadlocks (a thread waiting for a result never
-# sent) does not spend: a wall clock in each mutant's test run ends it with mutmut's timeout status
-# (36). Far above any scope's tests (under a minute of CPU), so only a hang reaches it.
-WALL_LIMIT_S = 300
-WALL_CLOCK = f"""
+# sent) does not spend: a watchdog in each mutant's test run ends it with mutmut's timeout status
+# (36) once a minute passes with less than a second of CPU: a run waiting on itself, not a slow one.
+HANG_S = 60
+HANG_WATCHDOG = f"""
+
+# tools/mutation.py: a mutant's test run that hangs ends as a timeout (added to the copy only)
+@pytest.fixture(autouse=True, scope="session")
+def _mutation_hang_watchdog():
+    import os
+    import threading
+    import time
+
+    def watch():
+        last = time.process_time()
+        while True:
+            time.sleep({HANG_S})
+            if time.process_time() - last < 1.0:
+                os._exit(36)
+            last = time.process_time()
+
+    if "__mutmut_" in os.environ.get("MUTANT_UNDER_TEST", ""):
+        threading.Thread(target=watch, daemon=True).start()
+    yield
+"""
 
 # tools/mutation.py: a mutant's test run that hangs ends as a timeout (added to the copy only)
 @pytest.fixture(autouse=True, scope="session")
@@ -106,7 +126,7 @@ def run_scope(scope: str, work: Path, children: int, only: list[str], ignore: li
     for part in ("minikv", "tests", "reference"):  # reference/: the tests' model directories
         shutil.copytree(ROOT / part, here / part, ignore=skip)
     with open(here / "tests" / "conftest.py", "a") as conftest:
-        conftest.write(WALL_CLOCK)
+        conftest.write(HANG_WATCHDOG)
     (here / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text() + mutmut_section(modules, tests))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # mutmut puts its mutants first
     env.update(OMP_NUM_THREADS="1", HYPOTHESIS_PROFILE="mutation")  # ci's examples, no shrinking
