@@ -94,19 +94,6 @@ def _mutation_hang_watchdog():
     yield
 """
 
-# tools/mutation.py: a mutant's test run that hangs ends as a timeout (added to the copy only)
-@pytest.fixture(autouse=True, scope="session")
-def _mutation_wall_clock():
-    import os
-    import threading
-
-    if "__mutmut_" in os.environ.get("MUTANT_UNDER_TEST", ""):
-        timer = threading.Timer({WALL_LIMIT_S}, os._exit, (36,))
-        timer.daemon = True
-        timer.start()
-    yield
-"""
-
 
 def mutmut_section(modules: list[str], tests: list[str]) -> str:
     toml = lambda xs: "[" + ", ".join(f'"{x}"' for x in xs) + "]"  # noqa: E731
