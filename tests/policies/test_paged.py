@@ -162,3 +162,11 @@ def test_the_store_holds_exactly_max_len_tokens():
         store.append(*tokens(1, seed=2))
     with pytest.raises(ValueError, match=r"^41 tokens exceed the capacity of 10 pages of 4$"):
         make_store(max_len=40).prefill(*tokens(41, seed=3))
+
+
+def test_the_pools_index_tensors_are_counted_in_bytes():
+    """aux_bytes: the page table and the page lengths, int32 each, (1, Hkv, S)."""
+    from minikv.policies.pool import PagePool
+
+    pool = PagePool(n_slots=3, page_size=4, n_kv=2, head_dim=8, dtype=torch.float32, device=DEVICE, backend="eager")
+    assert pool.aux_bytes() == 2 * (2 * 3) * 4

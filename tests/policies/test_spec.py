@@ -152,6 +152,22 @@ def test_triton_backend_is_refused_at_once_when_the_interpreter_is_off(monkeypat
 # -- the paper as a preset ---------------------------------------------------------------------
 
 
+# each paper's rules where the defaults depart from them, read from the papers (docs/design.md,
+# "The paper as a preset"), not from the library: softfreeze Eq. 2 as is with the paper's tau and
+# the prompt judged as step 1; freekv's min-max pooled keys; synckv's N_r clusters in every layer
+# and Algorithm 1 line 23's union; icecache's Algorithm 1 lines 16-17, the offload before attention
+PAPERS = {"softfreeze": dict(score="raw", tau=0.5, judge_prompt=True), "freekv": dict(digest="minmax"),
+          "synckv": dict(wide_layers=0, nr_reads="union"), "icecache": dict(window_offload="before"),
+          "streaming": {}, "h2o": {}, "full": {}}
+
+
+@pytest.mark.parametrize("name", sorted(PAPERS))
+def test_the_paper_preset_sets_the_papers_rules(name):
+    p, default = make(f"{name}:paper"), make(name)
+    assert {k: getattr(p, k) for k in PAPERS[name]} == PAPERS[name]
+    assert all(getattr(default, k) != v for k, v in PAPERS[name].items())  # each a departure of the default
+
+
 @pytest.mark.parametrize("name", available())
 def test_every_policy_takes_the_paper_preset(name):
     """NAME:paper is NAME:preset=paper; the preset's values are declared parameters, pass their

@@ -56,6 +56,20 @@ def test_reset_waits_for_queued_jobs_and_the_thread_is_a_daemon():
     threading.Timer(0.05, gate.set).start()
     worker.reset()
     assert done == [1] and worker._thread.daemon
+    assert worker._thread.name == "minikv-worker"  # how a profile or a thread dump names it
+
+
+def test_a_policy_keeps_its_worker_across_binds_and_counts_its_thread():
+    """One worker per policy object, kept by a second bind (a second generate call); a policy
+    without one counts no thread beside torch's."""
+    cfg = tiny_model("llama_gqa").cfg
+    policy = make("freekv").bind(cfg, device="cpu", dtype=torch.float32, max_len=64)
+    worker = policy.worker
+    assert policy.bind(cfg, device="cpu", dtype=torch.float32, max_len=64).worker is worker
+    assert threads(policy) == 1
+    assert thread_counts(policy, 2) == {"intra_op_threads": 2, "worker_threads": 1, "threads": 3}
+    plain = make("streaming:budget=64").bind(cfg, device="cpu", dtype=torch.float32, max_len=64)
+    assert threads(plain) == 0 and thread_counts(plain, 2)["threads"] == 2
 
 
 # -- freekv: the same results -------------------------------------------------------------------
