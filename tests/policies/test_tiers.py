@@ -1,0 +1,28 @@
+"""Tiers (policies/tiers.py) on its own: a tensor sent to the other tier is a copy that later
+writes to the source do not reach, except a fresh temporary already where it is going; every
+copy counts its bytes, whichever way it goes."""
+import torch
+
+from minikv.policies.tiers import Tiers
+
+from ..fixtures import DEVICE
+
+
+def test_a_copy_to_the_other_tier_is_its_own_memory():
+    tiers = Tiers(DEVICE)
+    t = torch.arange(12, dtype=torch.float32, device=DEVICE).view(3, 4)
+    host, back = tiers.to_host(t), tiers.to_device(t)
+    assert host.device.type == "cpu" and back.device == t.device
+    t.add_(100)  # the source moves on (a slot refilled): neither copy may follow it
+    assert torch.equal(host, torch.arange(12, dtype=torch.float32).view(3, 4))
+    assert torch.equal(back.cpu(), torch.arange(12, dtype=torch.float32).view(3, 4))
+    assert (tiers.bytes_to_host, tiers.bytes_to_device) == (48, 48)
+
+
+def test_a_fresh_temporary_already_on_its_tier_is_handed_over():
+    tiers = Tiers("cpu")
+    t = torch.ones(5, dtype=torch.bfloat16)
+    assert tiers.to_host(t, fresh=True) is t and tiers.to_device(t, fresh=True) is t
+    assert tiers.to_host(t) is not t and tiers.to_device(t) is not t
+    assert (tiers.bytes_to_host, tiers.bytes_to_device) == (20, 20)  # counted either way
+    assert not tiers.pin  # pinned host memory only beside CUDA
