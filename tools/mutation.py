@@ -62,11 +62,11 @@ SCOPES = {
                 f"{T}/test_synckv_kills.py", *NOT_MODELS]),
     # what every policy stands on (not a paper's step): the contract, parameters, tiers, pools, the
     # worker thread, full KV; judged by the contract matrix, the spec, worker, recall-order, paged
-    # store, tiers and plugin tests, two policies' kill tests (their bytes and dtypes), --help and a
+    # store, tiers, accounting and plugin tests, two policies' kill tests (their bytes and dtypes), --help and a
     # ragged batch
     "shared": ([f"{POL}/{m}.py" for m in ("base", "params", "tiers", "pool", "worker", "full")],
                [f"{T}/test_contract.py", f"{T}/test_spec.py", f"{T}/test_worker.py", f"{T}/test_recall_order.py",
-                f"{T}/test_paged.py", f"{T}/test_tiers.py", f"{T}/test_freekv_kills.py",
+                f"{T}/test_paged.py", f"{T}/test_tiers.py", f"{T}/test_accounting.py", f"{T}/test_freekv_kills.py",
                 f"{T}/test_icecache_kills.py", "tests/test_plugins.py", *HELP, *RAGGED, *NOT_MODELS]),
 }
 SCOPES["kernels/page_scores"][1].extend(["tests/kernels/test_quant2_codes.py", f"{T}/test_freekv_kills.py"])
