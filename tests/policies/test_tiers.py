@@ -1,9 +1,10 @@
 """Tiers (policies/tiers.py) on its own: a tensor sent to the other tier is a copy that later
 writes to the source do not reach, except a fresh temporary already where it is going; every
 copy counts its bytes, whichever way it goes."""
+import pytest
 import torch
 
-from minikv.policies.tiers import Tiers
+from minikv.policies.tiers import Tiers, backend_on
 
 from ..fixtures import DEVICE
 
@@ -26,3 +27,12 @@ def test_a_fresh_temporary_already_on_its_tier_is_handed_over():
     assert tiers.to_host(t) is not t and tiers.to_device(t) is not t
     assert (tiers.bytes_to_host, tiers.bytes_to_device) == (20, 20)  # counted either way
     assert not tiers.pin  # pinned host memory only beside CUDA
+
+
+def test_a_host_tier_operation_runs_eager_beside_a_gpu():
+    """Triton kernels address GPU memory only: beside a GPU the host tier's operations run eager;
+    on a CPU-only machine both tiers are CPU memory and run the policy's backend."""
+    assert backend_on("host", "triton", "cuda") == "eager" and backend_on("device", "triton", "cuda") == "triton"
+    assert backend_on("host", "triton", "cpu") == "triton" and backend_on("device", "reference", "cpu") == "reference"
+    with pytest.raises(ValueError, match="^tier must be 'host' or 'device', got 'disk'$"):
+        backend_on("disk", "eager", "cpu")
