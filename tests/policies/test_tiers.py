@@ -1,6 +1,6 @@
 """Tiers (policies/tiers.py) on its own: a tensor sent to the other tier is a copy that later
 writes to the source do not reach, except a fresh temporary already where it is going; every
-copy counts its bytes, whichever way it goes."""
+copy counts its bytes, whichever way it goes; and the backend each tier's operations run on."""
 import pytest
 import torch
 
