@@ -207,3 +207,23 @@ def test_the_class_called_with_the_paper_preset_refuses_what_the_spec_refuses(na
         assert str(call_error.value) == str(spec_error.value)
         assert f"preset=paper sets {key}={show(value)}" in str(call_error.value)
         assert getattr(cls(preset="paper", **{key: value}), key) == value
+
+
+def test_the_help_lines_say_what_the_preset_sets_and_show_none():
+    """--help's lines per policy (params.describe): the preset's line, and only it, says what
+    paper sets, or that the defaults are the paper's rules, or that there is no paper."""
+    from minikv.policies.params import describe
+
+    def lines(name):
+        return {line.split("=", 1)[0]: line for line in describe(_REGISTRY[name])}
+
+    tails = {"freekv": "; here paper sets digest=minmax",
+             "synckv": "; here paper sets wide_layers=0, nr_reads=union",
+             "streaming": "; here the defaults are the paper's rules",
+             "full": "; no paper here: paper is the defaults"}
+    for name, tail in tails.items():
+        by_name = lines(name)
+        assert by_name["preset"].startswith("preset=none ") and by_name["preset"].endswith(tail), name
+        assert not any("paper sets" in line or "paper's rules;" in line for key, line in by_name.items()
+                       if key != "preset"), name
+    assert lines("streaming")["budget"].startswith("budget=none ")  # a None default reads as the spec's word

@@ -36,3 +36,13 @@ def test_a_host_tier_operation_runs_eager_beside_a_gpu():
     assert backend_on("host", "triton", "cpu") == "triton" and backend_on("device", "reference", "cpu") == "reference"
     with pytest.raises(ValueError, match="^tier must be 'host' or 'device', got 'disk'$"):
         backend_on("disk", "eager", "cpu")
+
+
+def test_the_two_staging_buffers_are_taken_in_turn_and_counted():
+    from minikv.policies.pool import Staging
+
+    staging = Staging((3, 2, 4, 8), torch.bfloat16, Tiers(DEVICE))
+    assert [staging.take() for _ in range(5)] == [0, 1, 0, 1, 0]
+    per_buffer = 3 * 2 * 4 * 8 * 2
+    assert staging.nbytes() == (2 * per_buffer, 2 * per_buffer)  # two on each tier
+    assert all(t.dtype == torch.bfloat16 for t in staging.host + staging.dev)
