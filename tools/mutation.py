@@ -37,7 +37,8 @@ NOT_MODELS = ["-k", "not smollm2 and not triton"]
 # --help, written from the parameters' declarations (params.describe); full KV over a batch of
 # prompts of different lengths (its ragged rows: on SmolLM2, the one model run the shared scope takes)
 HELP = [f"tests/test_cli.py::test_generate_help_{t}" for t in
-        ("lists_policies_defaults_and_the_same_max_new_tokens_as_the_api", "lists_every_parameter_with_its_bounds_and_meaning")]
+        ("lists_policies_defaults_and_the_same_max_new_tokens_as_the_api",
+         "lists_every_parameter_with_its_bounds_and_meaning")]
 RAGGED = ["tests/test_generate.py::test_batch_of_different_lengths_equals_single_runs"]
 SCOPES = {
     **{f"kernels/{op}": ([f"minikv/kernels/{op}/reference.py"], [f"tests/kernels/test_{op}.py"])
@@ -62,8 +63,8 @@ SCOPES = {
                 f"{T}/test_synckv_kills.py", *NOT_MODELS]),
     # what every policy stands on (not a paper's step): the contract, parameters, tiers, pools, the
     # worker thread, full KV; judged by the contract matrix, the spec, worker, recall-order, paged
-    # store, tiers, accounting and plugin tests, two policies' kill tests (their bytes and dtypes), --help and a
-    # ragged batch
+    # store, tiers, accounting and plugin tests, two policies' kill tests (their bytes and dtypes),
+    # --help and a ragged batch
     "shared": ([f"{POL}/{m}.py" for m in ("base", "params", "tiers", "pool", "worker", "full")],
                [f"{T}/test_contract.py", f"{T}/test_spec.py", f"{T}/test_worker.py", f"{T}/test_recall_order.py",
                 f"{T}/test_paged.py", f"{T}/test_tiers.py", f"{T}/test_accounting.py", f"{T}/test_freekv_kills.py",
