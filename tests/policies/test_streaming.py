@@ -76,6 +76,12 @@ def tiny_config(n_heads=4, n_kv_heads=2, head_dim=16, rotary_dim=16, context=409
                        max_position_embeddings=context, rotary_dim=rotary_dim)
 
 
+def random_qkv(cfg, T, g=None, dtype=torch.float32):
+    """q (1, Hq, T, D), k and v (1, Hkv, T, D) of one sequence, drawn in that order from g."""
+    draw = lambda H: torch.randn(1, H, T, cfg.head_dim, generator=g).to(DEVICE, dtype)  # noqa: E731
+    return draw(cfg.n_heads), draw(cfg.n_kv_heads), draw(cfg.n_kv_heads)
+
+
 def oracle_attention(q_pre, k_pre, v, rope, qpos, kpos):
     """Dense attention of one query (Hq, D) over keys (Hkv, L, D) rotated at cache positions."""
     q = rope.apply(q_pre[None, :, None], torch.tensor([[qpos]]))[0, :, 0].double()  # (Hq, D)
@@ -271,11 +277,10 @@ def test_stats_and_budget_hold_over_a_run():
                                                                             max_len=200)
     layer = policy.layer(0)
     g = torch.Generator().manual_seed(0)
-    x = lambda H, T: torch.randn(1, H, T, cfg.head_dim, generator=g).to(DEVICE)
-    layer.prefill(x(4, 50), x(2, 50), x(2, 50), torch.arange(50, device=DEVICE)[None])
+    layer.prefill(*random_qkv(cfg, 50, g), torch.arange(50, device=DEVICE)[None])
     peak = layer.n
     for t in range(50, 200):
-        layer.decode(x(4, 1), x(2, 1), x(2, 1), torch.tensor([[t]], device=DEVICE))
+        layer.decode(*random_qkv(cfg, 1, g), torch.tensor([[t]], device=DEVICE))
         policy.end_step()
         peak = max(peak, layer.n)
     st_ = policy.stats()
@@ -313,8 +318,7 @@ def test_the_cache_and_its_scratch_hold_the_models_dtype():
     layer = policy.layer(0)
     assert layer.k.dtype == layer.v.dtype == policy.scratch.dtype == torch.bfloat16
     g = torch.Generator().manual_seed(0)
-    x = lambda H, T: torch.randn(1, H, T, cfg.head_dim, generator=g).to(DEVICE, torch.bfloat16)
-    layer.prefill(x(4, 30), x(2, 30), x(2, 30), torch.arange(30, device=DEVICE)[None])
+    layer.prefill(*random_qkv(cfg, 30, g, torch.bfloat16), torch.arange(30, device=DEVICE)[None])
     assert policy.stats()["compactions"] == 1 and layer.k.dtype == torch.bfloat16
 
 
@@ -333,12 +337,11 @@ def test_prefill_refuses_a_second_prompt_and_other_positions():
     cfg = tiny_config()
     policy = make("streaming:budget=24,sink=2,R=4").bind(cfg, device=DEVICE, dtype=torch.float32, max_len=64)
     layer = policy.layer(0)
-    x = lambda H, T: torch.randn(1, H, T, cfg.head_dim).to(DEVICE)
     with pytest.raises(ValueError, match="^streaming: the prompt must sit at positions 0\\.\\.T-1 \\(one sequence"):
-        layer.prefill(x(4, 5), x(2, 5), x(2, 5), torch.arange(1, 6, device=DEVICE)[None])
-    layer.prefill(x(4, 5), x(2, 5), x(2, 5), torch.arange(5, device=DEVICE)[None])
+        layer.prefill(*random_qkv(cfg, 5), torch.arange(1, 6, device=DEVICE)[None])
+    layer.prefill(*random_qkv(cfg, 5), torch.arange(5, device=DEVICE)[None])
     with pytest.raises(RuntimeError, match="^streaming: prefill runs once, on an empty cache$"):
-        layer.prefill(x(4, 5), x(2, 5), x(2, 5), torch.arange(5, device=DEVICE)[None])
+        layer.prefill(*random_qkv(cfg, 5), torch.arange(5, device=DEVICE)[None])
 
 
 def test_model_rotates_at_the_positions_the_policy_chooses(reference_dir):
