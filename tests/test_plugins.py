@@ -126,3 +126,64 @@ def test_register_policy_refuses_what_it_cannot_register():
     with pytest.raises(ValueError, match="must be a word"):
         minikv.register_policy(Spaced)
     assert _REGISTRY["streaming"].__module__ == "minikv.policies.streaming" and "two words" not in _REGISTRY
+
+
+# -- a file or directory by path: a namespace of its own (issue 52) ---------------------------------
+
+
+@pytest.mark.parametrize("stem", ["random", "json"])
+def test_a_plugin_file_named_as_a_stdlib_module_shadows_nothing(tmp_path, stem):
+    """p/random.py (a natural name for a random-eviction baseline) is imported as
+    minikv_plugins.random: the standard library's random stays what every later import gets."""
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / f"{stem}.py").write_text(MODULE)
+    out = command("-m", "minikv.generate", "--import", f"p/{stem}.py", "--policy", "everything_plugin",
+                  "--prompt", "Hello", "--max-new-tokens", "2", "--json", "--threads", "1", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert '"policy": "everything_plugin"' in out.stdout
+
+
+def test_a_path_is_imported_under_minikv_plugins(plugin_dir):
+    import json
+    import random
+
+    import minikv.plugins
+
+    (plugin_dir / "json.py").write_text(MODULE)
+    module = minikv.plugins.import_module(str(plugin_dir / "json.py"))
+    try:
+        assert module.__name__ == "minikv_plugins.json" and sys.modules["json"] is json
+        assert _REGISTRY["everything_plugin"].__module__ == "minikv_plugins.json"
+        assert minikv.plugins.import_module(str(plugin_dir / "json.py")) is module  # twice: once
+        other = plugin_dir / "other"
+        other.mkdir()
+        (other / "json.py").write_text("X = 1\n")
+        second = minikv.plugins.import_module(str(other / "json.py"))  # same stem, another file
+        assert second.__name__ == "minikv_plugins.json_2" and second.X == 1
+        assert sys.modules["random"] is random
+    finally:
+        for name in ("minikv_plugins.json", "minikv_plugins.json_2"):
+            sys.modules.pop(name, None)
+
+
+def test_a_package_directory_is_imported_and_a_bad_path_is_one_line(plugin_dir, capsys):
+    pkg = plugin_dir / "pkgdir"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from .impl import *  # noqa\n")
+    (pkg / "impl.py").write_text(MODULE)
+    (plugin_dir / "plain").mkdir()
+    (plugin_dir / "notes.txt").write_text("")
+    try:
+        assert bench_main(["--check", "compare", "--import", "./pkgdir/", "--policy", "everything_plugin",
+                           "--preset", "smoke"]) == 0
+        assert sys.modules["minikv_plugins.pkgdir"].__path__ == [str(pkg)]
+    finally:
+        sys.modules.pop("minikv_plugins.pkgdir", None)
+        sys.modules.pop("minikv_plugins.pkgdir.impl", None)
+    capsys.readouterr()
+    for path, says in [("./plain", "error: --import ./plain: FileNotFoundError: directory plain has no __init__.py"),
+                       ("notes.txt", "error: --import notes.txt: ValueError: notes.txt is not a .py file"),
+                       ("./nowhere", "error: --import ./nowhere: FileNotFoundError: no such file: nowhere")]:
+        assert generate_main(["--prompt", "x", "--import", path]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(says) and err.count("\n") == 1, err
