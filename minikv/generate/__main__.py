@@ -16,7 +16,8 @@ import sys
 import torch
 
 from . import DEFAULT_MAX_NEW_TOKENS, check_sampling, decode_bandwidth, generate, measure_read_bandwidth
-from ..cli import check_common, check_output_paths, check_positive, dumps, run_command, stdout_reader_gone
+from ..cli import (check_common, check_output_paths, check_positive, dumps, interrupted as say_interrupted,
+                   run_command, stdout_reader_gone)
 from ..plugins import add_import_argument, import_from_argv
 
 DEFAULT_THREADS = 1  # see --threads
@@ -48,6 +49,10 @@ def parse_args(argv=None):
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file ('-' for stdin)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--special-text", choices=("tokens", "literal"), default=None,
+                   help="what special-token text in the prompt (<|im_end|>, <s>) becomes: 'tokens', the special "
+                        "tokens, as transformers encodes it, or 'literal', plain text that cannot end a chat turn "
+                        "(default: tokens with --prompt, literal with --prompt-file)")
     p.add_argument("--policy", default="full", help="KV-cache policy spec, e.g. 'streaming:sink=4,window=252' "
                                                    "(default: %(default)s; the list is below)")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
@@ -230,7 +235,8 @@ def main(argv=None) -> int:
     try:
         result = generate(model, tokenizer, prompt, policy=args.policy, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          chat=args.chat, stop_at_eos=not args.ignore_eos, on_token=printer, progress=progress)
+                          chat=args.chat, stop_at_eos=not args.ignore_eos, on_token=printer, progress=progress,
+                          special_text=args.special_text or ("tokens" if args.prompt is not None else "literal"))
         text, ids, stats = result.text, result.token_ids, result.stats
     except KeyboardInterrupt:
         interrupted = True
@@ -244,15 +250,15 @@ def main(argv=None) -> int:
     else:
         sys.stdout.write(printer.stream.flush() + "\n")
         sys.stdout.flush()
-    if interrupted:  # one line, as every command's Ctrl-C
-        print(f"interrupted: {len(ids)} tokens generated, kept above", file=sys.stderr)
-    elif not args.quiet:
+    if interrupted:  # one line, as every command's Ctrl-C and SIGTERM
+        return say_interrupted(f"{len(ids)} tokens generated, kept above")
+    if not args.quiet:
         print(summary_line(stats), file=sys.stderr)
     if args.stats and "bytes_per_token" in stats:  # the achieved bandwidth's share of the machine's
         stats.update(decode_bandwidth(stats["bytes_per_token"], stats["tpot_s"], measure_read_bandwidth(model.device)))
     if args.stats:
         print_stats(stats)
-    return 130 if interrupted else 0
+    return 0
 
 
 if __name__ == "__main__":
