@@ -11,7 +11,8 @@ Ctrl-C exits with 130 and one line, `interrupted` (and where partial results are
 and 143 (128 + the signal's number, as a shell reports it); a second signal while the process
 ends is ignored. A reader that stops reading (`| head`) ends the
 command quietly with 0, as for `head`-style pipelines; a closed stdout or stderr is read as
-/dev/null. Anything else is a bug in minikv: one line naming the exception, exit 1.
+/dev/null. Anything else is a bug: in a plugin when its code raised it (minikv.plugins.culprit; one line naming
+the policy, its module and the line, exit 2), else in minikv (one line naming the exception, exit 1).
 MINIKV_TRACEBACK=1 in the environment shows the full traceback instead, for any of them.
 """
 from __future__ import annotations
@@ -169,6 +170,13 @@ def run_command(main, argv=None) -> int:
     except Exception as err:  # noqa: BLE001  (a bug: say what, keep it to one line)
         if show_traceback:
             raise
+        from .plugins import culprit
+
+        who = culprit(err)
+        if who:  # a bug in a plugin's code, not in minikv's: say whose
+            say(f"error: {who} raised {type(err).__name__}: {one_line(err)} "
+                "(a bug in that plugin, not in minikv; MINIKV_TRACEBACK=1 shows where)")
+            return 2
         say(f"error: internal error, {type(err).__name__}: {one_line(err)} "
             "(this is a bug in minikv; MINIKV_TRACEBACK=1 shows where)")
         return 1

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
+import traceback
 import warnings
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -28,6 +30,7 @@ HELP = ("import MODULE (a module name, a .py file or a package directory) before
         "@minikv.register_policy become available (repeatable; docs/extending.md)")
 
 _loaded_entry_points = False
+_imported: list = []  # the modules --import brought in, for culprit()
 
 
 NAMESPACE = "minikv_plugins"  # a file given by path is imported as minikv_plugins.<stem>
@@ -40,8 +43,11 @@ def import_module(name: str):
         if _is_module_name(name) and not Path(name).is_file():
             if str(Path.cwd()) not in sys.path and "" not in sys.path:
                 sys.path.insert(0, str(Path.cwd()))  # as python -m does: the current directory's modules
-            return importlib.import_module(name)
-        return import_path(Path(name))
+            module = importlib.import_module(name)
+        else:
+            module = import_path(Path(name))
+        _imported.append(module)
+        return module
     except Exception as err:  # noqa: BLE001  (whatever the module raises, the user's: one line)
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise ImportError(f"{FLAG} {name}: {type(err).__name__}: {first}") from err
@@ -123,3 +129,32 @@ def load_entry_points() -> None:
         except Exception as err:  # noqa: BLE001
             warnings.warn(f"entry point {ep.name} = {ep.value} ({GROUP}) failed to import: "
                           f"{type(err).__name__}: {err}", stacklevel=2)
+
+
+def culprit(err: BaseException) -> str | None:
+    """Which plugin raised `err`, if one did: the innermost frame of its traceback in a module from
+    outside minikv (one that registered a policy, or that --import brought in), as "policy 'name'
+    (module M, FILE line N)"; None when no plugin's code is on the traceback."""
+    files = _plugin_files()
+    found = None
+    for frame in traceback.extract_tb(err.__traceback__):
+        who = files.get(os.path.realpath(frame.filename))
+        if who:
+            found = f"{who}, {frame.filename} line {frame.lineno}"
+    return found and f"{found})"
+
+
+def _plugin_files() -> dict[str, str]:
+    """realpath of a plugin's file -> what it is: "policy 'name' (module M" or "plugin (module M"."""
+    from .policies.base import _REGISTRY
+
+    out = {}
+    for name, cls in _REGISTRY.items():
+        if cls.__module__ != "minikv" and not cls.__module__.startswith("minikv."):
+            file = getattr(sys.modules.get(cls.__module__), "__file__", None)
+            if file:
+                out.setdefault(os.path.realpath(file), f"policy {name!r} (module {cls.__module__}")
+    for module in _imported:
+        if getattr(module, "__file__", None):
+            out.setdefault(os.path.realpath(module.__file__), f"plugin (module {module.__name__}")
+    return out

@@ -3,6 +3,7 @@ commands (imported before the flags are parsed: the policy is in --help and --po
 entry-point group minikv.policies, and one line with exit code 2 for a module that fails."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -187,3 +188,73 @@ def test_a_package_directory_is_imported_and_a_bad_path_is_one_line(plugin_dir, 
         assert generate_main(["--prompt", "x", "--import", path]) == 2
         err = capsys.readouterr().err
         assert err.startswith(says) and err.count("\n") == 1, err
+
+
+# -- a plugin's bug is the plugin's: named, and what was generated kept (issue 52) ---------------------
+
+BOOM = '''
+from dataclasses import dataclass
+
+import torch
+
+import minikv
+from minikv.policies.full import Full, FullLayer
+
+
+class BoomLayer(FullLayer):
+    def decode(self, q, k, v, positions):
+        if self.policy.steps == 4:
+            raise RuntimeError("kaboom")
+        return super().decode(q, k, v, positions)
+
+
+@minikv.register_policy
+@dataclass(eq=False, kw_only=True)
+class Boom(Full):
+    """Full KV whose decode fails after four tokens (the prefill's and three decoded)."""
+
+    name = "boom"
+
+    def make_layer(self, index):
+        return BoomLayer(self, index)
+
+
+@minikv.register_policy
+@dataclass(eq=False, kw_only=True)
+class Holding(Full):
+    """Full KV whose stats() hold a tensor."""
+
+    name = "holding"
+
+    def stats(self):
+        return {**super().stats(), "probe": torch.ones(2)}
+'''
+
+
+def test_a_plugin_failing_mid_generation_is_named_and_the_text_kept(tmp_path):
+    (tmp_path / "boom.py").write_text(BOOM)
+    out = command("-m", "minikv.generate", "--import", "boom.py", "--policy", "boom", "--prompt", "Tell me a story",
+                  "--max-new-tokens", "20", "--ignore-eos", "--threads", "1", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    line = next(i for i, ln in enumerate(BOOM.splitlines(), 1) if "kaboom" in ln)
+    assert out.stderr == (f"error: policy 'boom' (module minikv_plugins.boom, {tmp_path / 'boom.py'} line {line}) "
+                          "raised RuntimeError: kaboom (a bug in that plugin, not in minikv; MINIKV_TRACEBACK=1 "
+                          "shows where)\n")
+    assert out.stdout.endswith("\n") and len(out.stdout.strip()) > 5  # the tokens before it, on their own line
+    out = command("-m", "minikv.generate", "--import", "boom.py", "--policy", "boom", "--prompt", "Tell me a story",
+                  "--max-new-tokens", "20", "--ignore-eos", "--threads", "1", "--json", cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.startswith("error: policy 'boom' (module minikv_plugins.boom")
+    result = json.loads(out.stdout)
+    assert result["stats"]["error"] == "RuntimeError: kaboom" and len(result["token_ids"]) == 4 and result["text"]
+
+
+def test_a_plugin_stats_json_cannot_hold_is_named_and_the_text_kept(tmp_path):
+    (tmp_path / "boom.py").write_text(BOOM)
+    out = command("-m", "minikv.generate", "--import", "boom.py", "--policy", "holding", "--prompt", "Hi",
+                  "--max-new-tokens", "3", "--ignore-eos", "--threads", "1", "--json", cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr == ("error: policy 'holding' (module minikv_plugins.boom): stats() gave 'probe', a Tensor, "
+                          "which JSON cannot hold (give numbers, strings, lists or dicts); the text is printed above "
+                          "with null for it\n")
+    result = json.loads(out.stdout)
+    assert result["stats"]["probe"] is None and len(result["token_ids"]) == 3 and result["stats"]["new_tokens"] == 3

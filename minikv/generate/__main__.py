@@ -17,7 +17,7 @@ import torch
 
 from . import DEFAULT_MAX_NEW_TOKENS, check_sampling, decode_bandwidth, generate, measure_read_bandwidth
 from ..cli import (check_common, check_output_paths, check_positive, dumps, interrupted as say_interrupted,
-                   run_command, stdout_reader_gone)
+                   one_line, run_command, stdout_reader_gone)
 from ..plugins import add_import_argument, import_from_argv
 
 DEFAULT_THREADS = 1  # see --threads
@@ -167,6 +167,32 @@ class StreamPrinter:
             sys.stdout.flush()
 
 
+def json_result(text: str, ids: list[int], stats: dict, spec: str) -> str:
+    """--json's output. A statistic JSON cannot hold (a tensor a plugin's stats() returned) is a
+    ValueError naming the policy and its module, raised after the result is printed with null there."""
+    try:
+        return dumps({"text": text, "token_ids": ids, "stats": stats})
+    except (TypeError, ValueError):
+        bad = [k for k, v in stats.items() if not _json_holds(v)]
+        print(dumps({"text": text, "token_ids": ids, "stats": {k: None if k in bad else v for k, v in stats.items()}}))
+        sys.stdout.flush()
+        from ..policies.base import _REGISTRY
+
+        cls = _REGISTRY.get(spec.partition(":")[0].strip())
+        who = f"policy {cls.name!r} (module {cls.__module__})" if cls else f"policy {spec!r}"
+        raise ValueError(f"{who}: stats() gave {', '.join(f'{k!r}, a {type(stats[k]).__name__},' for k in bad)} "
+                         "which JSON cannot hold (give numbers, strings, lists or dicts); the text is printed "
+                         "above with null for it") from None
+
+
+def _json_holds(value) -> bool:
+    try:
+        dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
@@ -231,7 +257,7 @@ def main(argv=None) -> int:
         if done >= total:
             bar.close()  # erase the bar before the first token is printed on its line
 
-    interrupted = False
+    interrupted, failed = False, None
     try:
         result = generate(model, tokenizer, prompt, policy=args.policy, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -242,14 +268,22 @@ def main(argv=None) -> int:
         interrupted = True
         ids = [t for t in printer.ids if t not in tokenizer.eos_ids]
         text, stats = tokenizer.decode(ids), {"interrupted": True, "new_tokens": len(ids)}
+    except Exception as err:  # a policy failing mid-generation (a plugin's decode, its stats()): the text first
+        if not printer.ids:
+            raise
+        failed = err
+        ids = [t for t in printer.ids if t not in tokenizer.eos_ids]
+        text, stats = tokenizer.decode(ids), {"error": f"{type(err).__name__}: {one_line(err)}", "new_tokens": len(ids)}
     finally:
         if bar is not None:
             bar.close()
     if args.json:
-        print(dumps({"text": text, "token_ids": ids, "stats": stats}))
+        print(json_result(text, ids, stats, args.policy))
     else:
         sys.stdout.write(printer.stream.flush() + "\n")
         sys.stdout.flush()
+    if failed is not None:  # the error's one line (minikv.cli: whose bug it is) after the text
+        raise failed
     if interrupted:  # one line, as every command's Ctrl-C and SIGTERM
         return say_interrupted(f"{len(ids)} tokens generated, kept above")
     if not args.quiet:
