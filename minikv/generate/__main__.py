@@ -5,7 +5,8 @@ Streams the generated text to stdout as it is produced, then prints one summary 
 --quiet leaves the summary out, --stats adds the full table, --json prints the result as JSON on
 stdout instead of the text. Every flag is checked before the model loads. Ctrl-C stops
 generation and keeps what was generated, printing it and one line `interrupted: ...` (exit code
-130); a reader that stops reading (`| head -c 5`) ends it quietly (exit code 0); a bad flag or
+130; SIGTERM likewise, `terminated: ...`, 143); a policy that fails mid-generation (a plugin's)
+keeps it too, and its error follows on a line of its own; a reader that stops reading (`| head -c 5`) ends it quietly (exit code 0); a bad flag or
 input, a closed stdin included, prints one line `error: ...` and exits with 2.
 """
 from __future__ import annotations
