@@ -60,6 +60,15 @@ def stopped_by(signum, argv, tmp_path, after_mark: float = 0.0, mark_len: int = 
     return subprocess.CompletedProcess(argv, p.returncode, out, err)
 
 
+def test_sigterm_while_importing_is_one_line():
+    p = subprocess.Popen([PYTHON, "-m", "minikv.generate", "--prompt", "Hi", "--threads", "1"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env(), preexec_fn=as_at_a_terminal)
+    time.sleep(1.0)  # minikv imported, torch importing
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert (p.returncode, err, out) == (143, "terminated\n", "")
+
+
 @pytest.mark.parametrize("signum, code, word", [(signal.SIGTERM, 143, "terminated"),
                                                 pytest.param(signal.SIGINT, 130, "interrupted", marks=pytest.mark.slow)])
 def test_a_signal_during_generate_json_keeps_the_text(tmp_path, signum, code, word):
