@@ -9,10 +9,10 @@ one line, `error: <message>`, on stderr and exits with 2, as argparse does for a
 Ctrl-C exits with 130 and one line, `interrupted` (and where partial results are, if any); SIGTERM
 (what `timeout`, `kill`, schedulers and container runtimes send) does the same with `terminated`
 and 143 (128 + the signal's number, as a shell reports it); a second signal while the process
-ends is ignored. A reader that stops reading (`| head`) ends the
-command quietly with 0, as for `head`-style pipelines; a closed stdout or stderr is read as
-/dev/null. Anything else is a bug: in a plugin when its code raised it (minikv.plugins.culprit; one line naming
-the policy, its module and the line, exit 2), else in minikv (one line naming the exception, exit 1).
+ends is ignored. A reader that stops reading (`| head`) ends the command quietly with 0, as for
+`head`-style pipelines; a closed stdout or stderr is read as /dev/null. Anything else is a bug:
+in a plugin when its code raised it (minikv.plugins.culprit: one line naming the policy, its
+module and the line, exit 2), else in minikv (one line naming the exception, exit 1).
 MINIKV_TRACEBACK=1 in the environment shows the full traceback instead, for any of them.
 """
 from __future__ import annotations
@@ -96,8 +96,8 @@ def _first_interrupt(signum, frame):
 def _interrupt_once() -> dict:
     """From here on, the first Ctrl-C or SIGTERM raises KeyboardInterrupt (the command keeps what
     it has and says so in one line) and the signals after it are ignored. Before here, while
-    `python -m minikv....` imports torch, minikv/__init__.py ends the process with one line on a
-    Ctrl-C. Returns the handlers it replaced, by signal."""
+    `python -m minikv....` imports torch, minikv/__init__.py ends the process with one line on
+    either. Returns the handlers it replaced, by signal."""
     if threading.current_thread() is not threading.main_thread():
         return {}
     replaced = {}
