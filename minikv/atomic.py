@@ -24,11 +24,12 @@ def atomic_open(path, mode: str = "w", encoding: str | None = "utf-8"):
     without an exception. mode "w" (text) or "wb" (bytes)."""
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_open writes a whole file: mode 'w' or 'wb', got {mode!r}")
-    path = Path(path)
+    named = Path(path)
+    path = named.resolve() if named.is_symlink() else named  # a link keeps pointing at the new file
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     except OSError as err:
-        raise _naming(err, path) from None
+        raise _naming(err, named) from None
     try:
         with os.fdopen(fd, mode, encoding=encoding if mode == "w" else None) as f:
             yield f
@@ -38,7 +39,7 @@ def atomic_open(path, mode: str = "w", encoding: str | None = "utf-8"):
         os.replace(tmp, path)
     except OSError as err:
         Path(tmp).unlink(missing_ok=True)
-        raise _naming(err, path) from None
+        raise _naming(err, named) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

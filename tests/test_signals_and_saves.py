@@ -211,7 +211,11 @@ def test_atomic_open_keeps_the_old_file_when_the_block_fails(tmp_path):
         with atomic_open(path) as f:
             f.write("new, half")
             raise KeyboardInterrupt
-    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["f.txt"]
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["f.txt"]  # no temporary left
+    link = tmp_path / "link.txt"
+    link.symlink_to(path)
+    atomic_write(link, b"new")  # through a link: the file it points at is replaced, the link stays
+    assert link.is_symlink() and path.read_bytes() == b"new"
     atomic_write(path, b"new")
     umask = os.umask(0)
     os.umask(umask)
