@@ -269,6 +269,8 @@ def main(argv=None) -> int:
         interrupted = True
         ids = [t for t in printer.ids if t not in tokenizer.eos_ids]
         text, stats = tokenizer.decode(ids), {"interrupted": True, "new_tokens": len(ids)}
+    except BrokenPipeError:  # stdout's reader has gone: nothing more to print (minikv.cli ends quietly)
+        raise
     except Exception as err:  # a policy failing mid-generation (a plugin's decode, its stats()): the text first
         if not printer.ids:
             raise
