@@ -235,6 +235,7 @@ class FreeKV(Policy):
     max_batch = 1
     kernels = ("page_scores", "paged_attention", "page_gather", "page_layout", "decode_attention")  # skip_layers: full
     PAPER = dict(digest="minmax")  # the text's "min-max pooled keys (similar to Quest)"
+    PAPER_SIZES = dict(budget=2048)  # "Budget B was fixed at 2048" (Experiments)
     # the contract matrix's data (base.Policy, "What check_policy reads")
     covering_spec = "freekv:page_size=4,budget=160,sink=4,window=8"
     small_spec, small_budget = "freekv:page_size=4,budget=24,sink=4,window=8", 24

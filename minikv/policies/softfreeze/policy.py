@@ -58,8 +58,9 @@ class SoftFreeze(RecoveryLadder, Policy):
     name = "softfreeze"
     max_batch = 1
     kernels = ("attention_relevance",)
-    # Eq. 2 as it is, Sec. 4.1's tau = 0.50, and the prefill's forward as the first generation step
-    PAPER = dict(score="raw", tau=0.5, judge_prompt=True)
+    # Eq. 2 as it is, Sec. 4.1's tau = 0.50, the prefill's forward as the first generation step, and
+    # no recovery: "Full implementation and evaluation of the recovery system is planned for future work"
+    PAPER = dict(score="raw", tau=0.5, judge_prompt=True, egr=False)
     # the contract matrix's data (base.Policy, "What check_policy reads")
     covering_spec = "softfreeze:tau=0"  # nothing is below relevance 0: nothing freezes
     small_spec = "softfreeze:softness=1"  # no budget: it freezes by relevance, from the first step on
