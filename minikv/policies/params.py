@@ -242,9 +242,10 @@ def describe(cls) -> list[str]:
     fs = declarations(cls)
     width = max(len(f"{n}={show(f.default)}") for n, f in fs.items())
     rules = ", ".join(f"{k}={show(v)}" for k, v in paper_rules(cls).items())
-    sizes = ", ".join(f"{k}={show(v)}" for k, v in paper_sizes(cls).items())
+    sizes = ", ".join(f"{k}={show(v) if v is not None else 'none (from the model, at bind)'}"
+                      for k, v in paper_sizes(cls).items())
     if rules or sizes:
-        rules = "; here paper sets " + rules + (" and the paper's sizes " if rules and sizes else "") + sizes
+        rules = "; here paper sets " + rules + ("; and sizes, which a value given replaces: " + sizes if sizes else "")
     else:
         rules = "; here the defaults are the paper's rules" if cls.has_paper else "; no paper here: paper is the defaults"
     return [f"{n + '=' + show(f.default):<{width}}  {bounds_text(f)}: {meaning(f)}" + (rules if n == "preset" else "")
