@@ -32,7 +32,7 @@ paper's flow (FreeKVLayer.decode):
     paged.PagedKV        sink, window and selected slots; a recall copies only missing pages
 
 The paper's rules: `freekv:paper` (preset=paper: digest=minmax, the min-max pooled keys of the
-text). Decisions (docs/design.md, "freekv" and "The paper as a preset"): the default digest,
+text, at the paper's budget B = 2048 unless a budget is given). Decisions (docs/design.md, "freekv" and "The paper as a preset"): the default digest,
 digest=quant2, is beyond the papers: Quest's min/max box plus a 2-bit code of every key in it,
 pages ranked by the attention their coded keys would take (a bound ranks a natural-text
 needle's page low: docs/needle_mass.md); digest=arkvale is ArkVale's box (centre +- mean

@@ -25,16 +25,19 @@ NR-heads. Where to read what (Algorithm 1's lines):
                              layer's next step fetch_dynamic joins it and `fetch` copies them in
     SyncKV.split             k = budget less the window ring's slots, into static and dynamic
 
-The paper's rules: `synckv:paper` (preset=paper: wide_layers=0, nr_reads=union). Decisions
-(docs/design.md, "synckv" and "The paper as a preset"): the clustering unit is the KV head; Mem%
-counts R-heads at full length. The last `window` tokens, whatever their origin, are read by every
-head at every step; a token leaves the window only at a selection point (`slide_window`), as a
+The paper's rules: `synckv:paper` (preset=paper: wide_layers=0, nr_reads=union, window=0,
+exclude_static=false, and N_r as Sec. 5.1 sets it, paper_n_r, at bind). Decisions (docs/design.md,
+"synckv" and "The paper as a preset"): the clustering unit is the KV head; Mem% counts R-heads at
+full length. By default the last `window` tokens, whatever their origin, are read by every head
+at every step; a token leaves the window only at a selection point (`slide_window`), as a
 candidate, so between anticipations the window grows to window + m - 1 tokens and budget = k +
-window + m - 1. By default NR-heads read their own cluster's sets (Secs. 4.1 and 4.4: they reuse
+window + m - 1 (window=0, the paper's: the NR-heads read the sets only, budget = k, and the
+selections run over the whole attention vector). By default NR-heads read their own cluster's sets (Secs. 4.1 and 4.4: they reuse
 the indices of "the R-Head of their cluster"); Algorithm 1 lines 23-24 have every NR-head read the
 union over all clusters' sets, nr_reads=union (an NR-head then reads up to N_r (k_static + k_dyn)
 + window tokens, each token once; at N_r = 1 the two are the same). The dynamic set is chosen
-among the tokens before the window its R-head has not made static, so no token is read twice.
+among the tokens before the window its R-head has not made static (exclude_static=false: Eq. 6
+as written, static tokens included, each read once).
 Table 3's ablations: offload=False is "w/o initialization", anticipation=False "w/o
 anticipation", m=1 "w/o suspension". Beyond the paper, wide_layers gives the layers whose heads
 agree least (by S, Eq. 2) more clusters than n_r (SyncKV.widen; docs/synckv.md measures why). The
