@@ -10,6 +10,7 @@ one line of the library (the exact text replaced, which must occur once). For ea
 repository's tracked files gets the edit and `pytest -x` runs the policy's
 tests/policies/test_<policy>_paper.py alone on it: killed when the test fails. The run ends with
 one Markdown row per mutant; the exit code is 1 if a mutant survived or an edit no longer applies.
+A mutant may name another test instead (freekv's group-consistent oracle in test_freekv.py).
 """
 from __future__ import annotations
 
@@ -23,9 +24,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 P, K = "minikv/policies", "minikv/kernels"
-# policy -> [(the wrong step, file, text, replacement)]
+ORACLE = "tests/policies/test_freekv.py::test_the_group_consistent_oracle_takes_each_heads_softmax_before_the_mean"
+# policy -> [(the wrong step, file, text, replacement[, the test that judges it: default, the
+# policy's test_<policy>_paper.py])]
 MUTANTS = {
     "freekv": [
+        ("group mean without the per-head softmax, against the group-consistent oracle",
+         f"{K}/page_scores/reference.py", "reduced = (e / e.sum(-1, keepdim=True).clamp_min(1e-38)).sum(2) / G",
+         "reduced = logits.sum(2) / G", ORACLE),
         ("group mean without the per-head softmax (mean of P_h)", f"{K}/page_scores/reference.py",
          "reduced = (e / e.sum(-1, keepdim=True).clamp_min(1e-38)).sum(2) / G",
          "reduced = logits.sum(2) / G"),
@@ -104,7 +110,7 @@ def copy_tree(dest: Path) -> None:
             shutil.copy2(src, dest / name)
 
 
-def run_one(work: Path, policy: str, file: str, old: str, new: str) -> str:
+def run_one(work: Path, test: str, file: str, old: str, new: str) -> str:
     """'killed', 'survived' or 'stale' (the text no longer occurs once in file)."""
     target = work / file
     text = (ROOT / file).read_text()
@@ -113,7 +119,6 @@ def run_one(work: Path, policy: str, file: str, old: str, new: str) -> str:
     target.write_text(text.replace(old, new))
     try:
         env = {**os.environ, "PYTHONPATH": str(work), "OMP_NUM_THREADS": "1"}
-        test = f"tests/policies/test_{policy}_paper.py"
         r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", test], cwd=work,
                            env=env, capture_output=True, text=True)
         return "killed" if r.returncode == 1 else "survived" if r.returncode == 0 else f"error (pytest {r.returncode})"
@@ -133,18 +138,19 @@ def main(argv=None) -> int:
     chosen = args.policies or list(MUTANTS)
     if args.list:
         for policy in chosen:
-            for step, file, old, new in MUTANTS[policy]:
-                print(f"{policy}: {step}\n  {file}: {old!r}\n  -> {new!r}")
+            for step, file, old, new, *test in MUTANTS[policy]:
+                print(f"{policy}: {step}\n  {file}: {old!r}\n  -> {new!r}" + (f"\n  judged by {test[0]}" if test else ""))
         return 0
     rows, failed = [], False
     with tempfile.TemporaryDirectory(prefix="minikv-paper-mutants-") as tmp:
         work = Path(tmp)
         copy_tree(work)
         for policy in chosen:
-            for step, file, old, new in MUTANTS[policy]:
-                status = run_one(work, policy, file, old, new)
+            for step, file, old, new, *test in MUTANTS[policy]:
+                test = test[0] if test else f"tests/policies/test_{policy}_paper.py"
+                status = run_one(work, test, file, old, new)
                 failed |= status != "killed"
-                rows.append(f"| {policy} | {step} | `{file}` | test_{policy}_paper.py | {status} |")
+                rows.append(f"| {policy} | {step} | `{file}` | {test.split('/')[-1]} | {status} |")
                 print(rows[-1], flush=True)
     print("\n| policy | the wrong step | edited | run alone | result |\n| --- | --- | --- | --- | --- |")
     print("\n".join(rows))

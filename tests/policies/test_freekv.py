@@ -242,6 +242,20 @@ def test_reference_backend_matches_oracle_and_eager(case):
     assert [ref.stats()[k] for k in keys] == [eager.stats()[k] for k in keys]
 
 
+def test_the_group_consistent_oracle_takes_each_heads_softmax_before_the_mean():
+    """A fixed case of FreeKV's reduction (softmax_mean, groups of 3 query heads, Quest's min/max
+    box), whatever hypothesis draws: every step's pages and output are the independent oracle's,
+    a softmax over the pages per query head, then the group mean. A mean of P_h taken without
+    each head's softmax (group_reduce=mean) chooses other pages here, and the oracle says so."""
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=48, intermediate_size=64, n_layers=2,
+                      n_heads=6, n_kv_heads=2, head_dim=16, max_position_embeddings=4096, rotary_dim=8)
+    case = dict(P=2, sink=2, window=2, budget=12, cfg=cfg, T=40, steps=12, mode="quest",
+                group_reduce="softmax_mean", digest="minmax", seed=11)
+    run_against_oracle(case)
+    with pytest.raises(AssertionError, match="pages"):
+        run_against_oracle(case, oracle=lambda q, *args: oracle_pages(q, *args[:5], "mean", args[6]))
+
+
 def test_mixed_correction_corrects_some_heads_and_not_others():
     """A fixed mixed case, so that the per-head path is exercised whatever hypothesis draws:
     over the run some KV heads are corrected and others keep their speculative pages."""

@@ -119,11 +119,15 @@ def run(spec, T=30, steps=30, seed=0):
     return rows
 
 
+# a prompt longer than the cache (evicted once at prefill, its column sums then weigh) and one
+# shorter (the decode steps' attention alone decides), each with the window at half the cache, none
+# (Algorithm 1 alone) and most of it
+@pytest.mark.parametrize("T", [30, 6])
 @pytest.mark.parametrize("spec", ["h2o:paper,budget=12", "h2o:paper,budget=12,window=0", "h2o:paper,budget=12,window=9"])
-def test_paper_preset_is_algorithm_1(spec):
+def test_paper_preset_is_algorithm_1(spec, T):
     """Every step of both layers: G_i read, S_i kept and the output are the transcription's; heavy
     hitters older than the window do stay (not only the window's tokens)."""
-    rows = run(spec)
+    rows = run(spec, T=T)
     for read, G_i, kept, S_i, diff in rows:
         assert read == G_i
         assert kept == S_i

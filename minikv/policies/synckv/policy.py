@@ -89,7 +89,8 @@ class SyncKV(Policy):
 
     @classmethod
     def spec_for_model(cls, spec, cfg, workdir):
-        """A model with no shipped clustering gets one: layer 0 one cluster, the others two."""
+        """A model with no shipped clustering gets one: for N_r = 1, layer 0 one cluster, the others
+        two; for N_r = 2 (synckv:paper on a Llama-style model, paper_n_r), two in every layer."""
         try:
             find_clustering(cfg, 1)
             return spec
@@ -100,7 +101,8 @@ class SyncKV(Policy):
                 [{"clusters": two, "r_heads": [c[-1] for c in two]}] * (cfg.n_layers - 1)
             doc = {"format": FORMAT, "model": {"name": "check_policy", "config_sha256": config_sha256(cfg),
                                                "weights_sha256": "-", "n_layers": cfg.n_layers, "n_kv_heads": H},
-                   "corpus": {}, "seed": 0, "similarity": [], "clusterings": {"1": layers}}
+                   "corpus": {}, "seed": 0, "similarity": [],
+                   "clusterings": {"1": layers, "2": [{"clusters": two, "r_heads": [c[-1] for c in two]}] * cfg.n_layers}}
             path = Path(workdir) / f"synckv_{config_sha256(cfg)[:12]}.json"
             path.write_text(json.dumps(doc))
             return f"{spec}{',' if ':' in spec else ':'}clusters={path}"
