@@ -221,5 +221,6 @@ class SyncKV(Policy):
             "tokens_fetched_per_anticipation": fetched / n_ant / n_nr if n_ant and n_nr else 0.0,
             "mem_percent": 100.0 * sum(layer.resident_tokens() for layer in layers) / full if full else 0.0,
             "clustering_file": str(self.clustering_file),
+            "n_r": self.n_r_bound,  # the clusters per layer it ran (preset=paper: the paper's for the model)
         })
         return s
