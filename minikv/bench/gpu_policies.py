@@ -36,7 +36,7 @@ def decode(model, ids: list[int], spec: str, steps: int, forced: list[int] | Non
 
     device = model.device
     policy = make(spec)
-    policy.bind(model.cfg, device=device, dtype=model.dtype, max_len=len(ids) + steps + 1, batch_size=1)
+    policy.bind(model.cfg, device=device, dtype=model.dtype, max_len=len(ids) + steps, batch_size=1)
     logits = prefill(model, torch.tensor([ids], device=device), torch.tensor([len(ids)], device=device), policy)
     tokens, all_logits, times = [], [], []
     for t in range(steps):
@@ -97,8 +97,8 @@ def check_speed(sizes, device, report) -> None:
     model, ids_of, source = model_for(sizes.speed_model, device, sizes.model_dtype)
     name = sizes.speed_model if isinstance(sizes.speed_model, str) else "a config"
     report.note("speed", model=name, weights=source, dtype=sizes.model_dtype, new_tokens=sizes.new_tokens)
-    for context in sizes.speed_contexts:
-        ids, base = ids_of(context), None
+    for context in sizes.speed_contexts:  # the prompt and the new tokens fill `context` positions
+        ids, base = ids_of(context - sizes.new_tokens), None
         for spec in ("full", *[p for p in sizes.policies if p != "full"]):
             if report.out_of_time("speed", f"{spec} at {context}"):
                 break
