@@ -1,11 +1,11 @@
 """Pieces the Triton kernels share: base-2 softmax constants, a dot that works in the
 interpreter, and the merge of split-K partial attentions by their log-sum-exps; and the one place
 where the Triton versions minikv runs on differ (3.6.0 on the GPU machine that is lent, 3.9.0 in
-CI, docs/gpu.md): see `TRITON_VERSION` below.
+CI, docs/gpu.md): see `TRITON_VERSION` below. (The compile check's API, bench/gpu_compile.py, is
+spelled the same in both.)
 
-Imported by fused.py modules, which `load_fused` imports after choosing the interpreter
-(TRITON_INTERPRET must be set before any @triton.jit decoration runs), and by the compile check
-(bench/gpu_compile.py).
+Imported only by fused.py modules, which `load_fused` imports after choosing the interpreter
+(TRITON_INTERPRET must be set before any @triton.jit decoration runs).
 """
 from __future__ import annotations
 
@@ -40,17 +40,6 @@ def _interpreter_index_fix() -> None:
 
 if TRITON_VERSION < (3, 8):
     _interpreter_index_fix()
-
-
-def nvidia_compile_api():
-    """(native_specialize_impl, CUDABackend, GPUTarget, ASTSource) for the ahead-of-time compile
-    check (bench/gpu_compile.py), the same names in 3.6 and 3.9."""
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import CUDABackend
-    from triton.compiler import ASTSource
-
-    return native_specialize_impl, CUDABackend, GPUTarget, ASTSource
 
 
 # -- what the kernels share --------------------------------------------------------------------------
