@@ -43,7 +43,7 @@ def weightless(name_or_config: str | dict, device, dtype: torch.dtype, seed: int
     cost a fraction of a second on a GPU."""
     raw = SHAPES[name_or_config] if isinstance(name_or_config, str) else name_or_config
     cfg = ModelConfig.from_dict(raw, source=f"gpu_models {name_or_config if isinstance(name_or_config, str) else 'config'}")
-    with torch.random.fork_rng(devices=[torch.device(device)] if torch.device(device).type == "cuda" else []):
+    with torch.random.fork_rng(devices=[]):  # the CPU's generator restored after; a GPU's stays seeded
         torch.manual_seed(seed)
         with torch.device(device):
             model = build_model(cfg)
