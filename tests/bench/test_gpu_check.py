@@ -104,6 +104,16 @@ def test_tests_that_need_the_weights_are_left_out_where_they_are_absent(monkeypa
     assert [i.marks for i in items] == [["weights"], ["weights"], ["weights"], []]
 
 
+def test_tests_stopped_at_the_runs_limit_keep_their_summary(monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu_check, "MIN_TEST_S", 0.5)  # pytest's start alone takes longer
+    sizes = gpu_check.Sizes(tests=("tests/kernels/test_compile.py", "-k", "refuse"), geometries=(), dtypes=(),
+                            contexts=(), policies=(), new_tokens=2, prompt_tokens=8, speed_contexts=(), total_s=0)
+    report = gpu_check.Report(sizes, str(tmp_path / "rows.json"))
+    got = gpu_check.run_tests(sizes, report)
+    assert got["stopped"] and got["ok"] and got["exit"] != 0  # interrupted, and nothing failed
+    assert not report.data["complete"] and report.data["not_run"] == ["tests: stopped after 0 s"]
+
+
 def test_all_parts_run_on_the_cpu(tmp_path):
     """Every part, in order, at tiny sizes: the kernels in the interpreter, random-weight models."""
     sizes = gpu_check.Sizes(tests=("tests/kernels/test_compile.py", "-k", "refuse"), geometries=("SmolLM2",),
