@@ -40,6 +40,9 @@ MUTANTS = {
         "a negated query projection: -U.T_Q(q)", f"{ICE}/pdci.py",
         "return (q @ self.U[:, :-1].T) / q.norm(dim=-1, keepdim=True).clamp_min(1e-30)",
         "return -(q @ self.U[:, :-1].T) / q.norm(dim=-1, keepdim=True).clamp_min(1e-30)"),
+    "query-unnormalised": (
+        "T_Q(q) without its division by |q|", f"{ICE}/pdci.py",
+        "return (q @ self.U[:, :-1].T) / q.norm(dim=-1, keepdim=True).clamp_min(1e-30)", "return q @ self.U[:, :-1].T"),
     "key-projection-missing": (
         "a missing projection: T_K without its last coordinate sqrt(1 - |k|^2 / c^2)", f"{ICE}/pdci.py",
         "self.U[:, -1].double() * tail[:, None]", "0 * tail[:, None]"),

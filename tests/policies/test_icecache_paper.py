@@ -9,8 +9,8 @@ https://arxiv.org/abs/1703.00440.
 What the transcription shares with the library is the documented spec of its random draws (so
 that the same tree can be grown): the promotion stream of layer l is
 random.Random(f"icecache/{seed}/{l}"), one point after another in insertion order, and the m L
-projection directions are randn(m L, D + 1) of torch.Generator().manual_seed(seed) in float64,
-each normalised, stored in float32. The rest is the paper's, or docs/design.md's named decisions
+projection directions are m L draws of randn(D + 1) in float64, in turn from
+torch.Generator().manual_seed(seed), each normalised, stored in float32. The rest is the paper's, or docs/design.md's named decisions
 where the paper leaves a point open ("The paper as a preset"):
 
   Alg. 1    the decode loop: the oldest window page leaves before the append (lines 16-17), pages
@@ -28,12 +28,17 @@ where the paper leaves a point open ("The paper as a preset"):
   Alg. 3    FIND-PAGE-INDEX: pages in order of their best key in P, K // G per query head; GQA:
             the union over the group's query heads (Sec. 4.2)
 
-The tests compare, at every step and layer, what each KV head reads and the attention output,
-and the trees (levels, parents, pages as token sets) after the prefill and at the end."""
+  minikv    while no tree holds more than K pages, every page is read (nothing to choose)
+
+The tests compare, at every step and layer, what each KV head reads, the attention output and
+the number of keys the page queries scored (P-DCI's candidates: the union over the composite
+indices, which any change of a projection moves), and the trees (levels, parents, pages as token
+sets) after the prefill and at the end."""
 import bisect
 import heapq
 import math
 import random
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -54,8 +59,12 @@ ROOT = "root"
 
 def directions(D, J, seed):
     """The documented draw of the projection directions (J, D + 1), as float64 of their float32."""
-    u = torch.randn(J, D + 1, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    return (u / u.norm(dim=1, keepdim=True)).float().double().tolist()
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(J):
+        u = torch.randn(D + 1, generator=g, dtype=torch.float64)
+        out.append((u / u.norm()).float().double().tolist())
+    return out
 
 
 def dot(a, b):
@@ -71,6 +80,7 @@ class Tree:
         self.children = {}  # node (ROOT or a tree id) -> its children, by tree id
         self.pages, self.open = [], {}  # pages: lists of tree ids; node -> index of its last page
         self.c, self.top = 0.0, 0
+        self.scored = 0  # keys the page queries scored exactly (P-DCI's candidates)
 
     # Eqs. 2-3, the MIPS transform
     def t_key(self, k):
@@ -81,7 +91,7 @@ class Tree:
         return [x / norm for x in q] + [0.0]
 
     # P-DCI (Li and Malik 2017, Algorithm 2) in one node, then its k best
-    def pdci(self, tq, node, k, score):
+    def pdci(self, tq, node, k, score, scoring):
         points = self.children.get(node, [])
         want = max(k, math.ceil(PROP * len(points) - 1e-9))
         if want >= len(points):
@@ -104,6 +114,7 @@ class Tree:
                     if count[x] == M_SIMPLE:  # seen in all m simple indices of the composite
                         found.add(x)
                 cands |= found
+        self.scored += len(cands) if scoring else 0  # a page query (a parent query is not counted)
         return sorted(cands, key=lambda x: (-score(x), x))[:k]
 
     @staticmethod
@@ -125,7 +136,7 @@ class Tree:
     def query(self, tq, target, k, score, flag):
         S, P = [ROOT], []
         for level in range(self.top, target - 1, -1):
-            S_ = [x for s in S for x in self.pdci(tq, s, k, score)]
+            S_ = [x for s in S for x in self.pdci(tq, s, k, score, scoring=flag)]
             if flag or level == target:
                 P = sorted(set(P) | set(S_), key=lambda x: (-score(x), x))[:k]
             S = S_
@@ -152,6 +163,8 @@ class Tree:
         self.children.setdefault(node, []).append(t)
 
     def build(self, keys):  # Alg. 2
+        if not keys:
+            return
         self.key = [list(k) for k in keys]
         self.c = max(math.sqrt(dot(k, k)) for k in self.key)
         drawn = [self.draw_level() for _ in keys]
@@ -170,6 +183,8 @@ class Tree:
             self.children[node] = sorted(kids)
 
     def insert(self, keys):  # Alg. 1 lines 26-36, the page's tokens in order
+        if not self.key:  # the first keys build the tree (Alg. 2)
+            return self.build(keys)
         self.c = max([self.c] + [math.sqrt(dot(k, k)) for k in keys])
         for k in keys:
             t = len(self.key)
@@ -206,7 +221,8 @@ class Tree:
 
 
 class PaperLayer:
-    """Algorithm 1 for one layer (its trees, one per KV head, sharing the promotion stream)."""
+    """Algorithm 1 for one layer (its trees, one per KV head, sharing the promotion stream). While
+    no tree has more than K pages, every page is read (minikv's: nothing to choose)."""
 
     def __init__(self, layer, G, r=R):
         self.G, self.n_sink, self.n_window = G, SINK // P, WINDOW // P
@@ -247,9 +263,10 @@ class PaperLayer:
         self.V = torch.cat((self.V, v.double()[:, None]), 1)
         first, q = self.n_sink * P, q.double()
         out, reads = torch.empty_like(q), []
+        search = max(len(tree.pages) for tree in self.trees) > K
         for h, tree in enumerate(self.trees):
-            pages = []
-            for g in range(self.G):  # line 22 per query head, the group's union (Sec. 4.2)
+            pages = [] if search else list(range(len(tree.pages)))
+            for g in range(self.G if search else 0):  # line 22 per query head, the group's union (Sec. 4.2)
                 for page in tree.select(q[h * self.G + g].tolist(), K // self.G):
                     if page not in pages:
                         pages.append(page)
@@ -278,6 +295,16 @@ def paper_tree(tree):
     return list(tree.level), list(tree.parent), {frozenset(page) for page in tree.pages}
 
 
+class Row(NamedTuple):
+    layer: int
+    got: list  # per KV head, the tokens the library read
+    want: list  # and the transcription's
+    diff: float  # the largest difference of the attention outputs
+    left: bool  # a page left the window on this step
+    n_pages: int  # the library's largest tree, in pages, before the step
+    scored: tuple  # keys scored by the page queries so far: the library's, the transcription's
+
+
 def run(spec, T=600, steps=40, r=R, seed=0):
     policy = make(spec).bind(CFG, device=DEVICE, dtype=torch.float32, max_len=T + steps)
     paper = [PaperLayer(i, CFG.n_groups, r) for i in range(CFG.n_layers)]
@@ -292,15 +319,17 @@ def run(spec, T=600, steps=40, r=R, seed=0):
     for _ in range(steps):
         for i, layer in enumerate(policy.layers):
             q, k, v = torch.randn(1, H, 1, D, generator=g), torch.randn(1, Hkv, 1, D, generator=g), torch.randn(1, Hkv, 1, D, generator=g)
-            left_before = paper[i].left
+            left_before, n_pages = paper[i].left, max(layer.forest.n_pages)
             out = layer.decode(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)[0, :, 0].cpu()
             want, reads = paper[i].decode(q[0, :, 0], k[0, :, 0], v[0, :, 0])
             got = [set(r) - {-1} for r in layer.attended_indices().tolist()]
-            rows.append((i, got, reads, float((out.double() - want).abs().max()), paper[i].left > left_before))
+            scored = layer.forest.scored, sum(tree.scored for tree in paper[i].trees)
+            rows.append(Row(i, got, reads, float((out.double() - want).abs().max()), paper[i].left > left_before,
+                            n_pages, scored))
         policy.end_step()
     trees += [[(library_tree(layer.forest, h), paper_tree(t)) for h, t in enumerate(paper[i].trees)]
               for i, layer in enumerate(policy.layers)]
-    return rows, trees, paper
+    return rows, trees, paper, policy
 
 
 def check(rows, trees):
@@ -309,14 +338,15 @@ def check(rows, trees):
             assert lib_levels == levels  # Alg. 2 / Alg. 1 lines 29-33: the random promotion
             assert lib_parents == parents  # QUERY(k, T, l + 1, 1)
             assert lib_pages == pages  # the nodes cut into pages
-    for layer, got, want, diff, _ in rows:
-        assert got == want, layer  # sink, the union of the group's pages, window
-        assert diff < 1e-5
+    for row in rows:
+        assert row.got == row.want, row.layer  # sink, the union of the group's pages, window
+        assert row.diff < 1e-5
+        assert row.scored[0] == row.scored[1]  # P-DCI's candidates: as many keys scored
 
 
 def test_paper_preset_is_algorithms_1_to_4():
-    rows, trees, paper = run(SPEC)
-    assert sum(left for *_, left in rows) >= 8  # pages left the window and were inserted
+    rows, trees, paper, _ = run(SPEC)
+    assert sum(row.left for row in rows) >= 8  # pages left the window and were inserted
     for layer in paper:  # the search is not exhaustive: nodes larger than the field of view
         tree = layer.trees[0]
         assert len(tree.pages) > K and max(len(kids) for kids in tree.children.values()) > 40
@@ -326,7 +356,7 @@ def test_paper_preset_is_algorithms_1_to_4():
 def test_paper_preset_with_a_deeper_tree():
     """r = 0.1 (the paper gives no value; `ratio` is free under the preset): three levels and more,
     so the parents' greedy descent passes through a level between the root and the parent."""
-    rows, trees, paper = run(SPEC + ",ratio=0.1", T=400, steps=24, r=0.1)
+    rows, trees, paper, _ = run(SPEC + ",ratio=0.1", T=400, steps=24, r=0.1)
     assert all(layer.trees[0].top >= 3 for layer in paper)
     check(rows, trees)
 
@@ -334,8 +364,8 @@ def test_paper_preset_with_a_deeper_tree():
 def test_offload_after_attention_is_not_algorithm_1():
     """The check has teeth: the default order reads the leaving page one step longer."""
     rules = "promotion=random,gqa=union,descent=greedy,simple=4,composite=2,batch=1"
-    rows, _, _ = run(SPEC.replace("icecache:paper", f"icecache:{rules},window_offload=after"), steps=12)
-    assert any(got != want for _, got, want, _, left in rows if left)
+    rows, *_ = run(SPEC.replace("icecache:paper", f"icecache:{rules},window_offload=after"), steps=12)
+    assert any(row.got != row.want for row in rows if row.left)
 
 
 def test_the_preset_sets_the_papers_rules():

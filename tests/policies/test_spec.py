@@ -155,9 +155,13 @@ def test_triton_backend_is_refused_at_once_when_the_interpreter_is_off(monkeypat
 # each paper's rules where the defaults depart from them, read from the papers (docs/design.md,
 # "The paper as a preset"), not from the library: softfreeze Eq. 2 as is with the paper's tau and
 # the prompt judged as step 1; freekv's min-max pooled keys; synckv's N_r clusters in every layer
-# and Algorithm 1 line 23's union; icecache's Algorithm 1 lines 16-17, the offload before attention
+# and Algorithm 1 line 23's union; icecache's Algorithm 1 lines 16-17, the offload before attention,
+# its random promotion (lines 29-33), the union over a group (Sec. 4.2), P-DCI's several indices
+# (Sec. 3.3) and Algorithm 4 as written
 PAPERS = {"softfreeze": dict(score="raw", tau=0.5, judge_prompt=True), "freekv": dict(digest="minmax"),
-          "synckv": dict(wide_layers=0, nr_reads="union"), "icecache": dict(window_offload="before"),
+          "synckv": dict(wide_layers=0, nr_reads="union"),
+          "icecache": dict(window_offload="before", promotion="random", gqa="union", descent="greedy", simple=4,
+                           composite=2, batch=1),
           "streaming": {}, "h2o": {}, "full": {}}
 
 

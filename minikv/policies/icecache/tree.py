@@ -87,9 +87,11 @@ def random_direction(head_dim: int, seed: int = 0) -> torch.Tensor:
 
 
 def random_directions(head_dim: int, n: int, seed: int = 0) -> torch.Tensor:
-    """n projection vectors (n, D + 1), each of unit norm, float32; the first is random_direction's."""
+    """n projection vectors (n, D + 1), each of unit norm, float32: randn(D + 1) in float64 drawn
+    n times in turn from one generator seeded with `seed`, each normalised (the first is
+    random_direction's; one draw per vector, as torch draws a long tensor otherwise)."""
     g = torch.Generator().manual_seed(seed)
-    u = torch.randn(n, head_dim + 1, generator=g, dtype=torch.float64)
+    u = torch.stack([torch.randn(head_dim + 1, generator=g, dtype=torch.float64) for _ in range(n)])
     return (u / u.norm(dim=1, keepdim=True)).float()
 
 
