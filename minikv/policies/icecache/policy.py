@@ -24,16 +24,19 @@ pages_fast.py; `triton` scores gathered keys with kernels/dci_scores (search_fas
 and the host pages stay on the host (tiers.backend_on): beside a GPU the search and the gather
 run eager there, and `triton` runs the scatter and the paged attention on the device.
 
-The paper's rules: `icecache:paper` (preset=paper: window_offload=before). Decisions
-(docs/design.md, "icecache" and "The paper as a preset"): budget = sink + window + k pages of
-page_size per KV head; defaults from the authors' LongBench scripts (pages of 16, budget 256 = 2
-sink + 2 window + 12 retrieved pages, layers 0-1 full). GQA: each query head searches its KV
-head's tree, the group's lists are merged round-robin into k pages. A tree of at most k pages is
-read whole. IceCache(reuse) (App. C): with reuse_every = r, layers skip_layers, skip_layers + r,
-... own a tree; the r - 1 after an anchor keep their own KV in the anchor's pages and read the
-pages it selected. By default the oldest window page leaves after attention (window_offload=after):
-the window reads at least window - P + 1 tokens, where the paper's order reads window - P on the
-step that fills a page. The query is the current step's q (no speculation, the authors' default).
+The paper's rules: `icecache:paper` (PAPER below: the page leaves before attention, random
+promotion, the union over a group, P-DCI over 4 x 2 indices with Algorithm 4 as written, pdci.py).
+Decisions (docs/design.md, "icecache" and "The paper as a preset"): budget = sink + window + K
+pages of page_size per KV head; defaults from the authors' LongBench scripts (pages of 16, budget
+256 = 2 sink + 2 window + 12 retrieved pages, layers 0-1 full). GQA: each query head searches its
+KV head's tree; by default the group's lists of K pages are merged round-robin into K pages (the
+authors' code), with gqa=union each query head takes K // G pages and the group reads their union
+(the paper). A tree of at most K pages is read whole. IceCache(reuse) (App. C): with reuse_every =
+r, layers skip_layers, skip_layers + r, ... own a tree; the r - 1 after an anchor keep their own KV
+in the anchor's pages and read the pages it selected. By default the oldest window page leaves
+after attention (window_offload=after): the window reads at least window - P + 1 tokens, where the
+paper's order reads window - P on the step that fills a page. The query is the current step's q (no
+speculation, the authors' default).
 """
 from __future__ import annotations
 
@@ -246,7 +249,8 @@ class IceCache(Policy):
                      choices=("first_k", "union"))
     descent: str = param("level", "the query: level opens the fov best keys of each level, parents exact (the "
                                   "authors' code); greedy is Algorithm 4 as written (each node's fov best, parents "
-                                  "by a k = 1 descent) over simple x composite P-DCI indices", choices=("level", "greedy"))
+                                  "by a k = 1 descent) over simple x composite P-DCI indices",
+                         choices=("level", "greedy"))
     simple: int = param(1, "P-DCI simple indices per composite index (m; descent=greedy)", low=1)
     composite: int = param(1, "P-DCI composite indices (L; descent=greedy)", low=1)
     window_offload: str = param("after", "when the oldest window page leaves the device on the step that fills the "

@@ -15,8 +15,11 @@ With c >= every key's norm, T_K(k) = [k/c, sqrt(1 - |k|^2/c^2)] and T_Q(q) = [q/
 vectors and |T_Q(q) - T_K(k)|^2 = 2 - 2 q.k/(|q| c): the nearest key has the largest q.k. Between
 keys, 1/2 |T_K(a) - T_K(b)|^2 = 1 - sim(a, b)/c^2, sim(a, b) = a.b + sqrt(c^2-|a|^2) sqrt(c^2-|b|^2).
 
-Decisions (docs/design.md, "icecache"; the authors' M-DCI code where the paper is silent):
+Decisions (docs/design.md, "icecache" and "The paper as a preset"). The default follows the
+authors' M-DCI code, also where it departs from the paper (the first, third and fourth points);
+icecache:paper's rules are the parameters named beside them:
   * one random unit vector u in R^{D+1} for every layer and head (m = 1 simple index, L = 1);
+    pdci.PDCIForest projects on m L of them (Sec. 3.3's several indices);
   * c is the running maximum key norm per head; when it grows every projection is recomputed
     from u[:D].k and |k|^2, so nothing stale survives (q.k itself does not depend on c);
   * promotion by a deterministic counter in insertion order: point t reaches level 2 when t + 1
@@ -24,10 +27,11 @@ Decisions (docs/design.md, "icecache"; the authors' M-DCI code where the paper i
     promotion=random (icecache:paper) gives the forest the paper's levels instead, drawn ahead
     by promotion_levels (Alg. 1 lines 29-33, Alg. 2: "while Random(0, 1) < r");
   * a point's parent is its nearest point one level up (largest sim, exactly; ties to the older);
-    descent=greedy (pdci.PDCIForest) finds it with the paper's QUERY(k, T, l, 1) instead;
+    descent=greedy (pdci.PDCIForest) finds it with the paper's QUERY(k, T, l + 1, 1) instead;
   * pages (the leaves) are runs of at most page_size children of one parent in projection order;
     an inserted point goes to its parent's open page, a new page when full: no token ever moves.
-    A point that opens a new top level adopts the old top level and the root's pages unchanged.
+    A point that opens a new top level adopts the old top level and the root's pages unchanged
+    (a point drawn more than one level above the top opens one level: the levels stay gapless).
 """
 from __future__ import annotations
 
