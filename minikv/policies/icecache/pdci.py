@@ -143,12 +143,15 @@ def candidates(pq: torch.Tensor, px: torch.Tensor, k: int, prop: float, m: int, 
 
 
 def rank_in_node(node: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """Each element's rank within its node by ascending key, ties to the earlier element."""
-    order = key.argsort(stable=True)
-    order = order[node[order].argsort(stable=True)]
-    sorted_node = node[order]
+    """Each element's rank within its node (node (c,) int64 >= 0) by ascending key (c,), ties to
+    the earlier element: one stable sort of node + key mapped monotonically into [0, 1)."""
+    k = key.double()
+    lo, span = (k.min(), k.max() - k.min() + 1) if k.numel() else (0.0, 1.0)
+    order = (node.double() * 2 + (k - lo) / span).argsort(stable=True)  # by node, then key
+    counts = torch.bincount(node)
+    start = counts.cumsum(0) - counts  # each node's first place in the order
     rank = torch.empty_like(order)
-    rank[order] = torch.arange(order.numel()) - torch.searchsorted(sorted_node, sorted_node)
+    rank[order] = torch.arange(order.numel()) - start[node[order]]
     return rank
 
 
