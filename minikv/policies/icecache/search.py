@@ -3,17 +3,21 @@
 Mao, Wang, Ester, Li, "IceCache: Memory-Efficient KV-Cache Management for Long-Sequence LLMs",
 ICLR 2026 submission, arXiv:2604.10539, https://arxiv.org/abs/2604.10539 (Appendix B.2).
 
-This is the form to read beside the paper; `icecache:backend=reference` runs it. The default
+This is the authors' search (M-DCI), the default's, in the form to read; `icecache:backend=reference`
+runs it. Algorithm 4 as the paper writes it, over several P-DCI indices, is pdci.py
+(`descent=greedy`, which `icecache:paper` selects). The default
 backends run the same search batched over heads, queries and nodes (search_fast.py,
 pages_fast.py); tests/policies/test_dci.py checks that they score the same keys and choose the
 same pages as these loops.
 
   Algorithm 4, QUERY          query(): from the top level down, scan every node opened on the
                               level above, score the scanned keys exactly (q.k), open the nodes of
-                              the fov best; with l = -1 (Flag = True) every scored key is kept
-  P-DCI on one node           scan_node(): outward from the query's projection, `batch`
-                              projections at a time, until max(fov, ceil(prop size)) children are
-                              scanned (the 80% stop); a node the field of view covers is read whole
+                              the fov best of the level (the paper: each node's k best, S <- S');
+                              with l = -1 (Flag = True) every scored key is kept
+  P-DCI on one node           scan_node(): one simple index (m = L = 1), outward from the query's
+                              projection, `batch` projections at a time, until max(fov, ceil(prop
+                              size)) children are scanned (the 80% stop); a node the field of view
+                              covers is read whole
   Algorithm 3, PAGE-SELECT    page_select(): QUERY, then FIND-PAGE-INDEX (find_page_index)
   GQA (Sec. 4.2)              merge_group(): the group's page lists round-robin, first k distinct
                               (the authors' code); merge_union(): the paper's union (gqa=union)
