@@ -3,12 +3,12 @@
 Mao, Wang, Ester, Li, "IceCache: Memory-Efficient KV-Cache Management for Long-Sequence LLMs",
 ICLR 2026 submission, arXiv:2604.10539, https://arxiv.org/abs/2604.10539 (Appendix B.2).
 
-This is the authors' search (M-DCI), the default's, in the form to read; `icecache:backend=reference`
-runs it. Algorithm 4 as the paper writes it, over several P-DCI indices, is pdci.py
-(`descent=greedy`, which `icecache:paper` selects). The default
-backends run the same search batched over heads, queries and nodes (search_fast.py,
-pages_fast.py); tests/policies/test_dci.py checks that they score the same keys and choose the
-same pages as these loops.
+This is the authors' search (M-DCI), the default's, in the form to read;
+`icecache:backend=reference` runs it. Algorithm 4 as the paper writes it, over several P-DCI
+indices, is pdci.py (`descent=greedy`, which `icecache:paper` selects). The default backends run
+the same search batched over heads, queries and nodes (search_fast.py, pages_fast.py);
+tests/policies/test_dci.py checks that they score the same keys and choose the same pages as these
+loops.
 
   Algorithm 4, QUERY          query(): from the top level down, scan every node opened on the
                               level above, score the scanned keys exactly (q.k), open the nodes of
