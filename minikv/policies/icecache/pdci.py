@@ -7,7 +7,8 @@ https://arxiv.org/abs/1703.00440 (Algorithm 2 there, the query).
 
 `descent=greedy` (icecache:paper) runs this module instead of search.py and its batched forms:
 
-  P-DCI on one node         candidates(): L composite indices of m simple indices each, each simple
+  P-DCI on one node         candidates() (the parents' queries; query() applies it to every
+                            opened node at once): L composite indices of m simple indices each, each simple
                             index a random direction. A priority queue pops, per composite, the
                             projection nearest the query's among the m simple indices; a point is
                             a candidate of composite l once popped from all m of them, and
@@ -17,11 +18,12 @@ https://arxiv.org/abs/1703.00440 (Algorithm 2 there, the query).
                             candidates of composite l are the `want` points of smallest bound
                             (ties to the earlier point). The union over l is scored exactly and
                             the node returns its k best.
-  Algorithm 4, QUERY        query(): S = {root}; per level, S' = the union of each node's k best;
-                            P (a priority queue of size k) takes S' on every level (Flag, l = -1)
-                            or on the target level only; S <- S'. Page selection runs it with
-                            k = the field of view; a point's parent (Alg. 1 line 34, Alg. 2) with
-                            k = 1: a greedy path from the root down to the level above the point.
+  Algorithm 4, QUERY        S = {root}; per level, S' = the union of each node's k best; P (a
+                            priority queue of size k) takes S' on every level (Flag, l = -1) or
+                            on the target level only; S <- S'. query(): page selection, Flag, k =
+                            the field of view; PDCIForest._greedy_parents: a point's parent (Alg.
+                            1 line 34, Alg. 2), k = 1, a greedy path from the root down to the
+                            level above the point.
   FIND-PAGE-INDEX           search.find_page_index over P's keys
 
 Decisions (docs/design.md, "The paper as a preset"): the directions are drawn once and shared by
