@@ -41,10 +41,10 @@ MUTANTS = {
         "return (q @ self.U[:, :-1].T) / q.norm(dim=-1, keepdim=True).clamp_min(1e-30)",
         "return -(q @ self.U[:, :-1].T) / q.norm(dim=-1, keepdim=True).clamp_min(1e-30)"),
     "query-unnormalised": (
-        "T_Q(q) without its division by |q|", f"{ICE}/pdci.py",
+        "T_Q(q) without its division by the norm of q", f"{ICE}/pdci.py",
         "return (q @ self.U[:, :-1].T) / q.norm(dim=-1, keepdim=True).clamp_min(1e-30)", "return q @ self.U[:, :-1].T"),
     "key-projection-missing": (
-        "a missing projection: T_K without its last coordinate sqrt(1 - |k|^2 / c^2)", f"{ICE}/pdci.py",
+        "a missing projection: T_K without its last coordinate, sqrt(1 - k.k / c^2)", f"{ICE}/pdci.py",
         "self.U[:, -1].double() * tail[:, None]", "0 * tail[:, None]"),
     "pages-in-token-order": (
         "pages not clustered: a build cuts the keys in token order", f"{ICE}/tree.py",
@@ -122,11 +122,13 @@ def main() -> int:
                                  env={**os.environ, "PYTHONPATH": str(args.work)})
             if run.returncode not in (0, 1):
                 raise SystemExit(f"error: {test} under {name} exited {run.returncode}:\n{run.stdout[-2000:]}")
-            if run.returncode == 1:
-                killed.append(Path(test).name)
+            if run.returncode == 1:  # the file, and the first assertion that failed
+                failed = [line[1:].strip() for line in run.stdout.splitlines() if line.startswith(">")]
+                killed.append(f"{Path(test).name} (`{failed[0] if failed else 'error'}`)")
         rows.append(f"| `{name}` | {what} | {module.split('/')[-1]} | {', '.join(killed) or 'survives'} |")
         print(rows[-1], flush=True)
-    print("\n| mutant | the wrong step | module | killed by (run alone) |\n| --- | --- | --- | --- |")
+    print("\n| mutant | the wrong step | module | killed by (run alone; the first assertion failing) |\n"
+          "| --- | --- | --- | --- |")
     print("\n".join(rows))
     return 0
 
