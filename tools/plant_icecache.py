@@ -122,9 +122,9 @@ def main() -> int:
                                  env={**os.environ, "PYTHONPATH": str(args.work)})
             if run.returncode not in (0, 1):
                 raise SystemExit(f"error: {test} under {name} exited {run.returncode}:\n{run.stdout[-2000:]}")
-            if run.returncode == 1:  # the file, and the first assertion that failed
+            if run.returncode == 1:  # the file, and the innermost line of the first failure
                 failed = [line[1:].strip() for line in run.stdout.splitlines() if line.startswith(">")]
-                killed.append(f"{Path(test).name} (`{failed[0] if failed else 'error'}`)")
+                killed.append(f"{Path(test).name} (`{failed[-1] if failed else 'error'}`)")
         rows.append(f"| `{name}` | {what} | {module.split('/')[-1]} | {', '.join(killed) or 'survives'} |")
         print(rows[-1], flush=True)
     print("\n| mutant | the wrong step | module | killed by (run alone; the first assertion failing) |\n"
