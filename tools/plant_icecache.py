@@ -127,7 +127,7 @@ def main() -> int:
                 killed.append(f"{Path(test).name} (`{failed[-1] if failed else 'error'}`)")
         rows.append(f"| `{name}` | {what} | {module.split('/')[-1]} | {', '.join(killed) or 'survives'} |")
         print(rows[-1], flush=True)
-    print("\n| mutant | the wrong step | module | killed by (run alone; the first assertion failing) |\n"
+    print("\n| mutant | the wrong step | module | killed by (run alone; the line that failed) |\n"
           "| --- | --- | --- | --- |")
     print("\n".join(rows))
     return 0
