@@ -364,7 +364,7 @@ def test_paper_preset_with_a_deeper_tree():
 def test_offload_after_attention_is_not_algorithm_1():
     """The check has teeth: the default order reads the leaving page one step longer."""
     rules = "promotion=random,gqa=union,descent=greedy,simple=4,composite=2,batch=1"
-    rows, *_ = run(SPEC.replace("icecache:paper", f"icecache:{rules},window_offload=after"), steps=12)
+    rows, *_ = run(SPEC.replace("icecache:paper", f"icecache:{rules},window_offload=after"), T=200, steps=12)
     assert any(row.got != row.want for row in rows if row.left)
 
 
