@@ -19,6 +19,10 @@ present, SmolLM2, it checks:
     offload      a policy that offloads moves KV to the host, and every K or V row that comes back
                  to the device through its Tiers is bit for bit a row it was given
     prefill      where declared: the prompt's logits equal those of feeding it token by token
+    per-run state  one policy object run twice gives what a fresh one gives (stats and logits):
+                 what a run changes lives on the layers, which bind rebuilds
+    oracle       given oracle=: at every decode step of the small spec's run, each layer and KV
+                 head attends exactly the tokens your transcription of the paper says (oracle.py)
     reference    backend=reference greedy-decodes the default backend's tokens
     refusals     a value a parameter's declaration refuses is a ValueError naming the parameter;
                  a batch past max_batch, and a sliding-window model it cannot serve, are refused
@@ -34,6 +38,7 @@ from ..kernels import BACKENDS, check_backend, policy_backends
 from ..policies.base import Policy, _REGISTRY, discover, make, parameters
 from ..policies.params import value_type
 from .models import FAMILIES, tiny_model
+from .oracle import OracleRun
 from .recorder import Recorder, fail as _fail
 from .tolerances import default_device
 
@@ -42,16 +47,23 @@ BASE_STATS = ("policy", "device_tokens", "host_tokens", "device_tokens_peak", "k
               "device_bytes", "host_bytes", "device_bytes_allocated", "host_bytes_allocated", "bytes_to_host",
               "bytes_to_device", "device_tokens_per_layer", "host_tokens_per_layer")
 
-def check_policy(spec_or_class, *, families=tuple(FAMILIES), smollm2="auto", backends=None, device=None) -> dict:
+def check_policy(spec_or_class, *, oracle=None, families=tuple(FAMILIES), smollm2="auto", backends=None,
+                 device=None) -> dict:
     """Run the contract matrix (module docstring) for one policy. spec_or_class: a registered name,
     a spec (it replaces the declared small spec, and its `budget` the declared small budget) or a
-    Policy subclass. smollm2: "auto"
-    (when the bundled model is present), False, or a loaded (model, tokenizer). backends: those to
-    check the attended outputs on (default: every backend the policy implements that runs here).
-    device: where the models and policies run (default: default_device(), the GPU when there is
-    one; a loaded SmolLM2 runs where it was loaded). Returns {check: [where it ran]}."""
+    Policy subclass. oracle: your transcription of the paper (oracle.py, Step), run beside the
+    small spec's run on every tiny model: it fails at the first decode step, layer and KV head
+    whose attended tokens differ from the oracle's. smollm2: "auto" (when the bundled model is
+    present), False, or a loaded (model, tokenizer). backends: those to check the attended outputs
+    on (default: every backend the policy implements that runs here). device: where the models and
+    policies run (default: default_device(), the GPU when there is one; a loaded SmolLM2 runs
+    where it was loaded). Returns {check: [where it ran]}."""
     cls, small, budget = _resolve(spec_or_class)
+    if oracle is not None and not cls.reports_attended:
+        raise ValueError(f"oracle= is compared with attended_indices(), which {cls.__name__} declares it does "
+                         f"not report (reports_attended = False)")
     device = default_device() if device is None else torch.device(device)
+    covering = _own(cls, cls.covering_spec or cls.name)
     ran: dict[str, list] = {}
     with tempfile.TemporaryDirectory() as work:
         _refusals(cls)
@@ -64,13 +76,16 @@ def check_policy(spec_or_class, *, families=tuple(FAMILIES), smollm2="auto", bac
                 ran.setdefault("sliding-window refusal", []).append(family)
                 continue
             ids = _random_ids(model)
-            _covering(cls, model, ids, cls.spec_for_model(cls.covering_spec or cls.name, model.cfg, Path(work)), where)
-            _small(cls, model, ids, spec, budget, where)
+            _covering(cls, model, ids, cls.spec_for_model(covering, model.cfg, Path(work)), where)
+            _small(cls, model, ids, spec, budget, where, oracle)
             if cls.prefill_equals_decoding:
                 _prefill(model, ids, spec, where)
-            for check in ("covering", "budget", "stats", "attended", "offload") + ("prefill",) * cls.prefill_equals_decoding:
+            checks = ("covering", "budget", "stats", "attended", "offload") + ("prefill",) * cls.prefill_equals_decoding
+            for check in checks + ("oracle",) * (oracle is not None):
                 ran.setdefault(check, []).append(family)
             if family == families[0]:
+                _per_run_state(model, ids, spec, where)
+                ran["per-run state"] = [family]
                 for backend in _backends(cls, backends):
                     steps = 1 if backend == "triton" else NEW  # the interpreter: seconds per step
                     _run(model, ids[:, :PROMPT + steps], _with(spec, backend=backend), f"{where}, backend={backend}",
@@ -85,7 +100,7 @@ def check_policy(spec_or_class, *, families=tuple(FAMILIES), smollm2="auto", bac
                                device=_device(model))  # ~60 tokens
             where = f"{cls.name} on SmolLM2"
             spec = cls.spec_for_model(small, model.cfg, Path(work))
-            _covering(cls, model, ids, cls.spec_for_model(cls.covering_spec or cls.name, model.cfg, Path(work)),
+            _covering(cls, model, ids, cls.spec_for_model(covering, model.cfg, Path(work)),
                       where, prompt=ids.shape[1] - 4, tol=1e-4)
             _same_tokens(model, ids, spec, 4, where)
             ran["covering"].append("smollm2")
@@ -105,9 +120,9 @@ def _covering(cls, model, ids, spec, where, prompt=PROMPT, tol=1e-5):
                      f"{(got - expect).abs().max():.3g})")
 
 
-def _small(cls, model, ids, spec, budget, where):
+def _small(cls, model, ids, spec, budget, where, oracle=None):
     _, policy = _run(model, ids, spec, where, budget=budget, attended=cls.reports_attended,
-                     rows_back=True)
+                     rows_back=True, oracle=oracle)
     s = policy.stats()
     missing = sorted((set(BASE_STATS) | set(cls.stats_keys)) - set(s))
     if missing:
@@ -126,6 +141,28 @@ def _prefill(model, ids, spec, where):
     if not torch.allclose(torch.stack(got), expect, rtol=1e-4, atol=1e-4):
         _fail(where, f"prefill: {spec}'s prefill differs from feeding the prompt token by token "
                      f"(declared prefill_equals_decoding = True)")
+
+
+def _per_run_state(model, ids, spec, where):
+    """One policy object run twice (two generate calls bind it twice) runs as a fresh one each
+    time: what a run changes lives on the layers, which bind rebuilds. A stat or a logit that
+    differs between the object's two runs, but not between two fresh objects' runs (timings do),
+    is state carried on the Policy from one run to the next."""
+    again = make(spec)
+    first, _ = _run(model, ids, again, where)
+    before = again.stats()
+    second, _ = _run(model, ids, again, where)
+    fresh, other = _run(model, ids, spec, where)
+    after, control = again.stats(), other.stats()
+    for key, value in before.items():
+        if repr(after.get(key)) != repr(value) and repr(control.get(key)) == repr(value):
+            _fail(where, f"per-run state: {spec} run a second time reports {key} = {after.get(key)!r}, "
+                         f"{value!r} the first time: state kept on the Policy carries from one run (one generate "
+                         f"call) to the next; keep it on the layers, which bind rebuilds")
+    if not torch.equal(second, first) and torch.equal(fresh, first):
+        _fail(where, f"per-run state: {spec} run a second time gives other logits than the first time (max "
+                     f"difference {(second - first).abs().max():.3g}): state kept on the Policy carries from "
+                     f"one run to the next; keep it on the layers, which bind rebuilds")
 
 
 def _same_tokens(model, ids, spec, new, where):
@@ -191,12 +228,14 @@ def _accepts(cls, spec, model, where) -> bool:
 # -- runs ----------------------------------------------------------------------------------------
 
 
-def _run(model, ids, spec, where, prompt=PROMPT, budget=None, attended=False, rows_back=False):
+def _run(model, ids, spec, where, prompt=PROMPT, budget=None, attended=False, rows_back=False, oracle=None):
     """Prefill `prompt` tokens, feed the rest one by one, checking what was asked on every step ->
-    (logits (steps, V), the policy)."""
+    (logits (steps, V), the policy). spec: a spec, or a Policy object (bound afresh)."""
     device = _device(model)
     policy = make(spec).bind(model.cfg, device=device, dtype=torch.float32, max_len=ids.shape[1])
-    seen = Recorder(policy, model.cfg, where, spec, attended) if attended or rows_back else None
+    spec = spec if isinstance(spec, str) else policy.name
+    beside = OracleRun(oracle, policy, where, spec) if oracle is not None else None
+    seen = Recorder(policy, model.cfg, where, spec, attended, beside) if attended or rows_back or oracle else None
     out = [model(ids[:, :prompt], policy=policy)[:, -1]]
     for t in range(prompt, ids.shape[1]):
         out.append(model(ids[:, t:t + 1], positions=torch.tensor([[t]], device=device), policy=policy)[:, -1])
@@ -245,7 +284,15 @@ def _resolve(spec_or_class) -> tuple[type[Policy], str, int | None]:
         raise ValueError(f"{cls.__name__} is not registered: decorate it with @minikv.register_policy")
     if spec is not None:
         return cls, spec, getattr(make(spec), "budget", None)
-    return cls, cls.small_spec or cls.name, cls.small_budget
+    return cls, _own(cls, cls.small_spec or cls.name), cls.small_budget
+
+
+def _own(cls, spec: str) -> str:
+    """A declared spec under cls's own name where it names a class cls derives from (a subclass
+    inherits its parent's covering_spec and small_spec, and runs them as itself)."""
+    name, colon, rest = spec.partition(":")
+    parent = _REGISTRY.get(name.strip())
+    return f"{cls.name}{colon}{rest}" if parent is not None and parent is not cls and issubclass(cls, parent) else spec
 
 
 def _with(spec: str, **items) -> str:
