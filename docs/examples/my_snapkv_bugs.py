@@ -1,6 +1,9 @@
 """Four plausible slips in writing SnapKV (my_snapkv.py), each one method replaced. Each is legal
 under the policy contract, so check_policy passes it; check_policy(oracle=snapkv_oracle) does not
-(docs/extending.md)."""
+(docs/extending.md).
+
+    python docs/examples/my_snapkv_bugs.py     # check_policy on each, without and with the oracle
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,3 +59,18 @@ class NoCausalMask(MySnapKV):
 
 
 BUGS = [WindowOneShort, GroupsInterleaved, OneQueryHead, NoCausalMask]
+
+
+if __name__ == "__main__":
+    from minikv.testing import PolicyContractError, check_policy
+    from my_snapkv import snapkv_oracle
+
+    quick = dict(families=("llama_gqa",), smollm2=False, backends=("eager",))  # 9 query heads over 3 KV heads
+    print("mysnapkv:", ", ".join(check_policy(MySnapKV, oracle=snapkv_oracle, **quick)))
+    for bug in BUGS:
+        check_policy(bug, **quick)  # the contract holds: no error
+        try:
+            check_policy(bug, oracle=snapkv_oracle, **quick)
+            print(f"{bug.name}: missed")
+        except PolicyContractError as failure:
+            print(failure)
