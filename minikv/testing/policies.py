@@ -38,11 +38,10 @@ from ..kernels import BACKENDS, check_backend, policy_backends
 from ..policies.base import Policy, _REGISTRY, discover, make, parameters
 from ..policies.params import value_type
 from .models import FAMILIES, tiny_model
-from .oracle import OracleRun
-from .recorder import Recorder, fail as _fail
+from .recorder import fail as _fail
+from .runs import NEW, PROMPT, device_of, greedy, random_ids, run
 from .tolerances import default_device
 
-PROMPT, NEW = 80, 40  # tokens of the tiny models' runs: 120 of their 128 positions
 BASE_STATS = ("policy", "device_tokens", "host_tokens", "device_tokens_peak", "kv_bytes_read_per_step",
               "device_bytes", "host_bytes", "device_bytes_allocated", "host_bytes_allocated", "bytes_to_host",
               "bytes_to_device", "device_tokens_per_layer", "host_tokens_per_layer")
@@ -75,7 +74,7 @@ def check_policy(spec_or_class, *, oracle=None, families=tuple(FAMILIES), smollm
             if not _accepts(cls, spec, model, where):
                 ran.setdefault("sliding-window refusal", []).append(family)
                 continue
-            ids = _random_ids(model)
+            ids = random_ids(model)
             _covering(cls, model, ids, cls.spec_for_model(covering, model.cfg, Path(work)), where)
             _small(cls, model, ids, spec, budget, where, oracle)
             if cls.prefill_equals_decoding:
@@ -88,7 +87,7 @@ def check_policy(spec_or_class, *, oracle=None, families=tuple(FAMILIES), smollm
                 ran["per-run state"] = [family]
                 for backend in _backends(cls, backends):
                     steps = 1 if backend == "triton" else NEW  # the interpreter: seconds per step
-                    _run(model, ids[:, :PROMPT + steps], _with(spec, backend=backend), f"{where}, backend={backend}",
+                    run(model, ids[:, :PROMPT + steps], _with(spec, backend=backend), f"{where}, backend={backend}",
                          attended=cls.reports_attended)
                     ran.setdefault("attended", []).append(f"{family}, backend={backend}")
                 _same_tokens(model, ids[:, :PROMPT], spec, 8, where)
@@ -97,7 +96,7 @@ def check_policy(spec_or_class, *, oracle=None, families=tuple(FAMILIES), smollm
         if real is not None:
             model, tok = real
             ids = torch.tensor([tok.encode("The three primary colours are red, yellow and blue. " * 5)],
-                               device=_device(model))  # ~60 tokens
+                               device=device_of(model))  # ~60 tokens
             where = f"{cls.name} on SmolLM2"
             spec = cls.spec_for_model(small, model.cfg, Path(work))
             _covering(cls, model, ids, cls.spec_for_model(covering, model.cfg, Path(work)),
@@ -113,15 +112,15 @@ def check_policy(spec_or_class, *, oracle=None, families=tuple(FAMILIES), smollm
 
 def _covering(cls, model, ids, spec, where, prompt=PROMPT, tol=1e-5):
     """tol: 1e-5 on the tiny models; SmolLM2's logits are some 100 times larger (1e-4)."""
-    expect, _ = _run(model, ids, "full", where, prompt=prompt)
-    got, _ = _run(model, ids, spec, where, prompt=prompt)
+    expect, _ = run(model, ids, "full", where, prompt=prompt)
+    got, _ = run(model, ids, spec, where, prompt=prompt)
     if not torch.allclose(got, expect, rtol=tol, atol=tol):
         _fail(where, f"covering: {spec} does not give full KV's logits (max difference "
                      f"{(got - expect).abs().max():.3g})")
 
 
 def _small(cls, model, ids, spec, budget, where, oracle=None):
-    _, policy = _run(model, ids, spec, where, budget=budget, attended=cls.reports_attended,
+    _, policy = run(model, ids, spec, where, budget=budget, attended=cls.reports_attended,
                      rows_back=True, oracle=oracle)
     s = policy.stats()
     missing = sorted((set(BASE_STATS) | set(cls.stats_keys)) - set(s))
@@ -132,7 +131,7 @@ def _small(cls, model, ids, spec, budget, where, oracle=None):
 
 
 def _prefill(model, ids, spec, where):
-    T, device = PROMPT, _device(model)
+    T, device = PROMPT, device_of(model)
     whole = make(spec).bind(model.cfg, device=device, dtype=torch.float32, max_len=T)
     expect = model(ids[:, :T], policy=whole)[0]  # (T, V)
     one, got = make(spec).bind(model.cfg, device=device, dtype=torch.float32, max_len=T), []
@@ -149,10 +148,10 @@ def _per_run_state(model, ids, spec, where):
     differs between the object's two runs, but not between two fresh objects' runs (timings do),
     is state carried on the Policy from one run to the next."""
     again = make(spec)
-    first, _ = _run(model, ids, again, where)
+    first, _ = run(model, ids, again, where)
     before = again.stats()
-    second, _ = _run(model, ids, again, where)
-    fresh, other = _run(model, ids, spec, where)
+    second, _ = run(model, ids, again, where)
+    fresh, other = run(model, ids, spec, where)
     after, control = again.stats(), other.stats()
     for key, value in before.items():
         if repr(after.get(key)) != repr(value) and repr(control.get(key)) == repr(value):
@@ -167,8 +166,8 @@ def _per_run_state(model, ids, spec, where):
 
 def _same_tokens(model, ids, spec, new, where):
     """backend=reference decodes the default's tokens, and keeps as many on each tier."""
-    default, d = _greedy(model, ids, spec, new)
-    reference, r = _greedy(model, ids, _with(spec, backend="reference"), new)
+    default, d = greedy(model, ids, spec, new)
+    reference, r = greedy(model, ids, _with(spec, backend="reference"), new)
     if reference != default:
         _fail(where, f"reference: backend=reference decodes {reference}, the default backend {default} ({spec})")
     for key in ("device_tokens", "host_tokens"):
@@ -217,52 +216,12 @@ def _bad_values(cls):
 def _accepts(cls, spec, model, where) -> bool:
     """False when the policy refuses the model's sliding window (then with a message saying so)."""
     try:
-        make(spec).bind(model.cfg, device=_device(model), dtype=torch.float32, max_len=PROMPT + NEW)
+        make(spec).bind(model.cfg, device=device_of(model), dtype=torch.float32, max_len=PROMPT + NEW)
     except ValueError as err:
         if model.cfg.sliding_window is None or "sliding" not in str(err):
             _fail(where, f"bind: {spec} is refused: {err}")
         return False
     return True
-
-
-# -- runs ----------------------------------------------------------------------------------------
-
-
-def _run(model, ids, spec, where, prompt=PROMPT, budget=None, attended=False, rows_back=False, oracle=None):
-    """Prefill `prompt` tokens, feed the rest one by one, checking what was asked on every step ->
-    (logits (steps, V), the policy). spec: a spec, or a Policy object (bound afresh)."""
-    device = _device(model)
-    policy = make(spec).bind(model.cfg, device=device, dtype=torch.float32, max_len=ids.shape[1])
-    spec = spec if isinstance(spec, str) else policy.name
-    beside = OracleRun(oracle, policy, where, spec) if oracle is not None else None
-    seen = Recorder(policy, model.cfg, where, spec, attended, beside) if attended or rows_back or oracle else None
-    out = [model(ids[:, :prompt], policy=policy)[:, -1]]
-    for t in range(prompt, ids.shape[1]):
-        out.append(model(ids[:, t:t + 1], positions=torch.tensor([[t]], device=device), policy=policy)[:, -1])
-        if budget is not None:
-            _check_budget(policy, budget, where, spec)
-    return torch.stack(out), policy
-
-
-def _check_budget(policy, budget, where, spec):
-    most = 0
-    for layer in policy.layers:
-        read = layer.attended_indices()
-        for h in layer.budget_heads():
-            most = max(most, layer.device_tokens() if read is None else int((read[h] >= 0).sum()))
-    if not 0 < most <= budget:
-        _fail(where, f"budget: a decode step of {spec} read {most} tokens for one KV head (declared small_budget {budget})")
-
-
-def _greedy(model, ids, spec, new) -> tuple[list[int], dict]:
-    device = _device(model)
-    policy = make(spec).bind(model.cfg, device=device, dtype=torch.float32, max_len=ids.shape[1] + new)
-    T, tokens = ids.shape[1], []
-    nxt = model(ids, policy=policy)[:, -1].argmax(-1)
-    for t in range(T, T + new - 1):
-        tokens.append(int(nxt))
-        nxt = model(nxt[:, None], positions=torch.tensor([[t]], device=device), policy=policy)[:, -1].argmax(-1)
-    return tokens + [int(nxt)], policy.stats()
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -312,14 +271,8 @@ def _backends(cls, asked):
     return out
 
 
-def _device(model) -> torch.device:
-    return model.embed.weight.device
 
 
-def _random_ids(model, n=PROMPT + NEW, seed=1):
-    # drawn on the CPU's generator (the same ids on every device), then moved to the model
-    ids = torch.randint(0, model.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed))
-    return ids.to(_device(model))
 
 
 def _smollm2(smollm2, device):
