@@ -241,7 +241,7 @@ def test_generate_help_lists_every_parameter_with_its_bounds_and_meaning(capsys)
     """--help derives from the policies' declarations: every parameter, its bounds, its meaning,
     and the cap by the context."""
     from minikv.policies import available
-    from minikv.policies.base import _REGISTRY, parameters
+    from minikv.policies.registry import _REGISTRY, parameters
 
     with pytest.raises(SystemExit):
         generate_main(["--help"])

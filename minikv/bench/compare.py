@@ -39,7 +39,7 @@ from pathlib import Path
 from ..cli import dumps, interrupted
 
 from ..policies import available, make
-from ..policies.base import _REGISTRY, parameters
+from ..policies.registry import _REGISTRY, parameters
 from . import compare_report as report
 from .common import add_common_arguments, environment, load_model, text_ids
 from .compare_figures import figures

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from ..policies.base import Policy
+from ..policies.contract import Policy
 
 
 def renumbers_positions(policy: Policy) -> bool:

@@ -25,7 +25,7 @@ DEFAULT_THREADS = 1  # see --threads
 def policy_epilog() -> str:
     """The policies, each parameter with its default, bounds and meaning (their declarations in
     minikv/policies), for --help."""
-    from ..policies.base import _REGISTRY
+    from ..policies.registry import _REGISTRY
     from ..policies.params import describe
 
     lines = ["policies (--policy NAME:key=value,...; each parameter with its default, bounds and meaning):"]

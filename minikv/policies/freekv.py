@@ -54,7 +54,10 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.page_scores import GROUP_REDUCES, page_scores
-from .base import LayerKV, Policy, dense_attention, param, register
+from ..models.attention import dense_attention
+from .contract import LayerKV, Policy
+from .params import param
+from .registry import register
 from .full import FullLayer
 from .paged import DIGESTS, HostPages, PagedKV, PagedLayer, check_page_geometry
 from .pool import Staging

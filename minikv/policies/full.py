@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.decode_attention import decode_attention
-from .base import LayerKV, Policy, dense_attention, register
+from ..models.attention import dense_attention
+from .contract import LayerKV, Policy
+from .registry import register
 
 
 class FullLayer(LayerKV):

@@ -35,7 +35,10 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.decode_attention import decode_attention
-from .base import LayerKV, Policy, dense_attention, param, register
+from ..models.attention import dense_attention
+from .contract import LayerKV, Policy
+from .params import param
+from .registry import register
 
 PREFILL_CHUNK = 256  # queries per block when summing the prompt's attention: bounds the score matrix
 

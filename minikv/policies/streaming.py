@@ -37,7 +37,10 @@ import torch
 
 from ..kernels.decode_attention import decode_attention
 from ..kernels.rope_delta import rope_delta
-from .base import LayerKV, Policy, dense_attention, param, register
+from ..models.attention import dense_attention
+from .contract import LayerKV, Policy
+from .params import param
+from .registry import register
 
 PREFILL_CHUNK = 256  # queries per block of the streaming prefill: bounds its score matrix
 

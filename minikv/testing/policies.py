@@ -1,4 +1,4 @@
-"""check_policy: the policy contract (policies/base.py) as one matrix, for minikv's policies and yours.
+"""check_policy: the policy contract (policies/contract.py) as one matrix, for minikv's policies and yours.
 
     from minikv.testing import check_policy
     check_policy("h2o")            # a registered name, a spec ("h2o:budget=16,window=4") or the class
@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from ..kernels import BACKENDS, check_backend, policy_backends
-from ..policies.base import Policy, _REGISTRY, discover, make, parameters
+from ..policies.contract import Policy
+from ..policies.registry import _REGISTRY, discover, make, parameters
 from ..policies.params import value_type
 from .models import FAMILIES, tiny_model
 from .recorder import Recorder, fail as _fail

@@ -49,7 +49,9 @@ import math
 from pathlib import Path
 from dataclasses import dataclass
 
-from ..base import Policy, param, register
+from ..contract import Policy
+from ..params import param
+from ..registry import register
 from ..pool import Staging
 from ..worker import policy_worker
 from .clusters import FORMAT, config_sha256, find_clustering, least_agreeing_layers, read_similarity
