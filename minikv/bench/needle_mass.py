@@ -144,7 +144,7 @@ def run_instance(model, tok, inst, specs: list[str], answers: bool = True) -> di
 
     rows = [row(i) for i in range(len(plan))]
     logits = prefill_all(model, rows, inst.ids, row)
-    new, _ = decode_n_tokens(model, logits[0], torch.tensor([n], device=model.device), rows[0].policy,
+    new = decode_n_tokens(model, logits[0], torch.tensor([n], device=model.device), rows[0].policy,
                              inst.max_new_tokens, eos, (0.0, None, None), None)
     truth = new[0]  # full KV's answer, fed to every teacher-forced row
     out = {"task": inst.key, "seed": inst.seed, "depth": inst.depths[0], "full": hit(tok, truth, inst), "policies": {}}

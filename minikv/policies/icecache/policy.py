@@ -37,16 +37,19 @@ step that fills a page. The query is the current step's q (no speculation, the a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar
 
 import torch
 
 from ...kernels import check_backend
-from ..base import LayerKV, Policy, dense_attention, param, register
+from ...models.attention import dense_attention
+from ..contract import LayerKV, Policy
 from ..full import FullLayer
 from ..paged import PagedKV, PagedLayer, check_page_geometry
+from ..params import param
 from ..pool import Staging
+from ..registry import register
 from ..tiers import backend_on
+from .pages_fast import fast_search
 from .search import CLOSEST, field_of_view, merge_group, page_select
 from .tree import FIRST_PROMOTION, DCIForest, random_direction
 
@@ -113,7 +116,7 @@ class IceCacheLayer(PagedLayer):
             self.forest = DCIForest(n_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, page_size=P,
                                     capacity=policy.max_len, u=policy.u)
             # the batched search (backend eager or triton) keeps its state beside the tree
-            self.searcher = None if policy.search == "reference" else policy.fast_search(self.forest, policy.host_backend)
+            self.searcher = None if policy.search == "reference" else fast_search(self.forest, policy.host_backend)
         else:
             self.forest, self.searcher = anchor.forest, anchor.searcher
         self.K = policy.n_select
@@ -201,9 +204,6 @@ class IceCache(Policy):
     small_spec, small_budget = "icecache:page_size=2,budget=16,sink=2,window=4,skip_layers=0", 16
     stats_keys = ("pages_recalled", "pages_recalled_per_step", "keys_scored_fraction", "mean_page_fill")
     offloads = True
-    # the batched search for a tree, fast_search(forest, backend): pages_fast.fast_search, put
-    # here by the package (icecache/__init__.py) so that this module reads without the fast forms
-    fast_search: ClassVar[Callable | None] = None
 
     page_size: int = param(16, low=1)
     budget: int = param(256, low=0, multiple_of="page_size")

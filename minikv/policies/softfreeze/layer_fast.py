@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from ...kernels.attention_relevance import attention_relevance
-from ..base import LayerKV, dense_attention
+from ...models.attention import dense_attention
+from ..contract import LayerKV
 from .schedule import attention_share, attention_weights
 from .schedule_fast import NOT_FROZEN
 
