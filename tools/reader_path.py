@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # the generation loop, the model's forward and block, the contract, the tiers, the smallest policy
 SHARED = ["minikv/generate/__init__.py", "minikv/models/decoder.py", "minikv/models/llama.py",
-          "minikv/models/layers.py", "minikv/policies/base.py", "minikv/policies/tiers.py",
+          "minikv/models/layers.py", "minikv/policies/contract.py", "minikv/policies/tiers.py",
           "minikv/policies/full.py", "minikv/kernels/decode_attention/reference.py"]
 PAGED = ["minikv/policies/paged.py", "minikv/policies/pool.py"]
 POLICIES = {

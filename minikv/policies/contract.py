@@ -34,6 +34,7 @@ import torch
 
 from ..config import ModelConfig
 from ..kernels import check_backend
+from ..models.attention import dense_attention  # noqa: F401  (re-exported: the attention `out` must equal)
 from ..models.rope import RotaryEmbedding
 from .params import PRESETS, apply_preset, check_fields, param, preset_conflicts
 from .stats import TierStats
@@ -216,9 +217,3 @@ class Policy(TierStats, ABC):
         self.steps += 1
         self.last_action = None
         return None
-
-    def threads(self) -> int:
-        """The OS threads the policy's decoding runs on besides torch's intra-op pool: its
-        selection worker's, where it has one (the speed benchmark's fair count)."""
-        worker = getattr(self, "worker", None)
-        return worker.threads if worker is not None else 0

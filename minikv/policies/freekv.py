@@ -54,9 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.page_scores import GROUP_REDUCES, page_scores
-from ..models.attention import dense_attention
-from .contract import LayerKV, Policy
-from .params import param
+from .contract import LayerKV, Policy, dense_attention, param
 from .registry import register
 from .full import FullLayer
 from .paged import DIGESTS, HostPages, PagedKV, PagedLayer, check_page_geometry
@@ -238,7 +236,7 @@ class FreeKV(Policy):
     max_batch = 1
     kernels = ("page_scores", "paged_attention", "page_gather", "page_layout", "decode_attention")  # skip_layers: full
     PAPER = dict(digest="minmax")  # the text's "min-max pooled keys (similar to Quest)"
-    # the contract matrix's data (base.Policy, "What check_policy reads")
+    # the contract matrix's data (contract.Policy, "What check_policy reads")
     covering_spec = "freekv:page_size=4,budget=160,sink=4,window=8"
     small_spec, small_budget = "freekv:page_size=4,budget=24,sink=4,window=8", 24
     stats_keys = ("correction_rate", "pages_recalled", "pages_recalled_per_step", "speculative_exact_rate")

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.decode_attention import decode_attention
-from ..models.attention import dense_attention
-from .contract import LayerKV, Policy
+from .contract import LayerKV, Policy, dense_attention
 from .registry import register
 
 
@@ -85,7 +84,7 @@ class Full(Policy):
     has_paper = False  # the baseline: full:paper is full
     max_batch = None
     kernels = ("decode_attention",)
-    # the contract matrix's data (base.Policy, "What check_policy reads")
+    # the contract matrix's data (contract.Policy, "What check_policy reads")
     covering_spec = "full"
     prefill_equals_decoding = True
 

@@ -1,5 +1,5 @@
 """The tier accounting every policy reports (`Policy.stats()`): tokens and bytes on each tier, what
-crossed between them, and what a decode step read. Policy inherits it (contract.py); the counts
+crossed between them, what a decode step read, and the threads decoding runs on. Policy inherits it (contract.py); the counts
 are derived from the layers' state when asked, but for two per-step figures (the peak, and the
 tokens each decode step read), which `count_step` adds up as the model ends each step.
 """
@@ -23,6 +23,12 @@ class TierStats:
         if self.steps > 0:  # a decode step: what its attention read (counted after the step)
             self._decode_device_tokens += tokens
         self._peak_device_tokens = max(self._peak_device_tokens, tokens)
+
+    def threads(self) -> int:
+        """The OS threads the policy's decoding runs on besides torch's intra-op pool: its
+        selection worker's, where it has one (the speed benchmark's fair count)."""
+        worker = getattr(self, "worker", None)
+        return worker.threads if worker is not None else 0
 
     def _mean(self, fn) -> float:
         return sum(fn(layer) for layer in self.layers) / max(len(self.layers), 1)

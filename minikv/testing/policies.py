@@ -4,7 +4,7 @@
     check_policy("h2o")            # a registered name, a spec ("h2o:budget=16,window=4") or the class
 
 It raises PolicyContractError (an AssertionError) naming the check, the model and the spec, or
-returns a dict of what it ran. The data it needs is declared on the policy class (base.Policy,
+returns a dict of what it ran. The data it needs is declared on the policy class (contract.Policy,
 "What check_policy reads"): a covering spec, a small spec and its budget, the stats keys the
 policy adds, whether it offloads, whether its prefill equals token-by-token decoding. On tiny
 random models of every family minikv loads (built here, seeded: nothing to download) and, when

@@ -41,11 +41,9 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels import check_backend
-from ...models.attention import dense_attention
-from ..contract import LayerKV, Policy
+from ..contract import LayerKV, Policy, dense_attention, param
 from ..full import FullLayer
 from ..paged import PagedKV, PagedLayer, check_page_geometry
-from ..params import param
 from ..pool import Staging
 from ..registry import register
 from ..tiers import backend_on
@@ -199,7 +197,7 @@ class IceCache(Policy):
     max_batch = 1
     kernels = ("dci_scores", "paged_attention", "page_gather", "page_layout", "decode_attention")  # skip_layers: full
     PAPER = dict(window_offload="before")  # Algorithm 1 lines 16-17: the page leaves before attention
-    # the contract matrix's data (base.Policy, "What check_policy reads")
+    # the contract matrix's data (contract.Policy, "What check_policy reads")
     covering_spec = "icecache:page_size=2,budget=160,sink=2,window=4,skip_layers=0"
     small_spec, small_budget = "icecache:page_size=2,budget=16,sink=2,window=4,skip_layers=0", 16
     stats_keys = ("pages_recalled", "pages_recalled_per_step", "keys_scored_fraction", "mean_page_fill")

@@ -43,8 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..contract import Policy, StepAction
-from ..params import param
+from ..contract import Policy, StepAction, param
 from ..registry import register
 from .layer_fast import FastAlgorithm1Layer
 from .recovery import RecoveryLadder
@@ -63,7 +62,7 @@ class SoftFreeze(RecoveryLadder, Policy):
     kernels = ("attention_relevance",)
     # Eq. 2 as it is, Sec. 4.1's tau = 0.50, and the prefill's forward as the first generation step
     PAPER = dict(score="raw", tau=0.5, judge_prompt=True)
-    # the contract matrix's data (base.Policy, "What check_policy reads")
+    # the contract matrix's data (contract.Policy, "What check_policy reads")
     covering_spec = "softfreeze:tau=0"  # nothing is below relevance 0: nothing freezes
     small_spec = "softfreeze:softness=1"  # no budget: it freezes by relevance, from the first step on
     stats_keys = ("compression", "total_tokens", "freezes", "thaws", "spikes", "rewalks", "recovered_tokens")

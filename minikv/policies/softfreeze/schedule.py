@@ -33,8 +33,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels.attention_relevance import attention_relevance
-from ...models.attention import dense_attention
-from ..contract import LayerKV
+from ..contract import LayerKV, dense_attention
 
 
 def attention_share(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -18,8 +18,7 @@ import torch
 from ...kernels.attention_topk import attention_topk
 from ...kernels.decode_attention import decode_attention
 from ...kernels.gathered_attention import gathered_attention
-from ...models.attention import dense_attention
-from ..contract import LayerKV, Policy
+from ..contract import LayerKV, Policy, dense_attention
 from ..pool import refill
 from .bank import ContextBank
 

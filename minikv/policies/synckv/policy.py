@@ -49,8 +49,7 @@ import math
 from pathlib import Path
 from dataclasses import dataclass
 
-from ..contract import Policy
-from ..params import param
+from ..contract import Policy, param
 from ..registry import register
 from ..pool import Staging
 from ..worker import policy_worker
@@ -67,7 +66,7 @@ class SyncKV(Policy):
     max_batch = 1
     kernels = ("attention_topk", "decode_attention", "gathered_attention")
     PAPER = dict(wide_layers=0, nr_reads="union")  # N_r clusters in every layer; Algorithm 1 line 23
-    # the contract matrix's data (base.Policy, "What check_policy reads")
+    # the contract matrix's data (contract.Policy, "What check_policy reads")
     covering_spec = "synckv:budget=160,window=32,m=3,wide_layers=0"
     small_spec, small_budget = "synckv:budget=48,window=8,m=3,wide_layers=0", 48  # of the NR-heads
     stats_keys = ("anticipation_steps", "tokens_fetched", "mem_percent", "clustering_file")
