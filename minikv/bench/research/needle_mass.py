@@ -33,15 +33,15 @@ from collections import defaultdict
 
 import torch
 
-from ..generate import decode_n_tokens, decode_one_token
-from ..kernels.page_scores import GROUP_REDUCES, pack_codes, page_scores
-from ..policies import make
-from ..policies.paged import DIGESTS, HostPages, page_digest
-from .common import add_common_arguments, load_model, print_table, write_json
-from .compare_run import Bound, answer, bind, prefill_all
-from .passkey import with_budget
-from .recall_probe import RecallProbe, attended_mass, full_attention_probs
-from .tasks import haystacks, make_instance, string_match_all
+from ...generate import decode_n_tokens, decode_one_token
+from ...kernels.page_scores import GROUP_REDUCES, pack_codes, page_scores
+from ...policies import make
+from ...policies.paged import DIGESTS, HostPages, page_digest
+from ..common import add_common_arguments, load_model, print_table, write_json
+from ..compare_run import Bound, answer, bind, prefill_all
+from ..passkey import with_budget
+from ..recall_probe import RecallProbe, attended_mass, full_attention_probs
+from ..tasks import haystacks, make_instance, string_match_all
 
 COMMAND = "needle-mass"
 ONE_NEEDLE = ("passkey", "niah_single_1")  # the tasks with one needle and a choice of haystack
