@@ -198,3 +198,19 @@ def test_the_model_writes_no_policy_state():
     assert len(models) >= 5
     wrong = {str(p.relative_to(ROOT)): writes_policy_state(p.read_text()) for p in models}
     assert {p: w for p, w in wrong.items() if w} == {}
+
+
+def test_the_reader_path_follows_the_layout():
+    """tools/reader_path.py counts the files README's reading guide names, for every policy: a
+    file moved or split is renamed in its lists too, and a new policy gets a path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("reader_path", ROOT.parent / "tools" / "reader_path.py")
+    reader_path = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reader_path)
+    listed = set(reader_path.SHARED).union(*reader_path.POLICIES.values())
+    assert sorted(p for p in listed if not (ROOT.parent / p).is_file()) == []
+    names = {ast.literal_eval(node.value) for m, path in MODULES.items() if registers_a_policy(path)
+             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Assign)
+             and [ast.unparse(t) for t in node.targets] == ["name"] and isinstance(node.value, ast.Constant)}
+    assert "freekv" in names and set(reader_path.POLICIES) == names - {"full"}
