@@ -146,7 +146,7 @@ def culprit(err: BaseException) -> str | None:
 
 def _plugin_files() -> dict[str, str]:
     """realpath of a plugin's file -> what it is: "policy 'name' (module M" or "plugin (module M"."""
-    from .policies.base import _REGISTRY
+    from .policies.registry import _REGISTRY
 
     out = {}
     for name, cls in _REGISTRY.items():

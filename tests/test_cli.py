@@ -237,11 +237,25 @@ def test_generate_help_lists_policies_defaults_and_the_same_max_new_tokens_as_th
     assert "speculative=true" in text  # booleans shown as the words the specs take
 
 
+def test_bench_help_tells_the_users_benchmarks_from_the_research_probes(capsys):
+    """The layout decides the group: minikv/bench/ holds what a user runs to choose a policy,
+    minikv/bench/research/ the probes; --help lists them under two headings, CLI names as ever."""
+    with pytest.raises(SystemExit):
+        bench_main(["--help"])
+    out = capsys.readouterr().out
+    users, _, research = out.partition("research probes (minikv/bench/research/):")
+    users = users.partition("to choose a policy:")[2]
+    listed = lambda part: {line.split()[0] for line in part.splitlines() if line.startswith("  ") and line[2] != " "}
+    assert listed(users) == {"compare", "speed", "memory", "passkey", "ppl", "gpu-check"}
+    assert listed(research) == {"needle-mass", "quant2-cost", "recall", "dci-recall", "cluster-heads"}
+    assert "lockstep" in users and "per layer and KV head" in research  # each line: its module's summary
+
+
 def test_generate_help_lists_every_parameter_with_its_bounds_and_meaning(capsys):
     """--help derives from the policies' declarations: every parameter, its bounds, its meaning,
     and the cap by the context."""
     from minikv.policies import available
-    from minikv.policies.base import _REGISTRY, parameters
+    from minikv.policies.registry import _REGISTRY, parameters
 
     with pytest.raises(SystemExit):
         generate_main(["--help"])

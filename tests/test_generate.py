@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import minikv
-from minikv.generate import check_sampling, sample
+from minikv.generate import check_sampling, decode_n_tokens, sample
+from minikv.policies import StepAction
 
 from .fixtures import CPU_ONLY
 
@@ -52,6 +53,30 @@ def test_impossible_sampling_values(kwargs, message):
 
 
 # -- the real model ----------------------------------------------------------------------------
+
+
+def test_a_rewind_feeds_the_first_dropped_token_again_at_its_old_position():
+    """A policy that dropped the KV of its last r tokens says so through the contract
+    (policy.last_action, set in its end_step: here by the stand-in model, which plays both); the
+    loop takes the r tokens back (on_token(row, -r)) and feeds the first of them again at the
+    position it had, then goes on from there."""
+    fed, seen = [], []
+
+    class Rewinding:  # what the loop reads of a policy
+        last_action = None
+
+    def model(ids, positions, policy, logits_at):  # ids (1, 1), positions (1, 1) -> logits (1, V)
+        p = int(positions[0, 0])
+        fed.append((int(ids[0, 0]), p))
+        policy.last_action = StepAction(rewind=2) if len(fed) == 3 else None  # after feeding 17 at 7
+        return torch.nn.functional.one_hot(torch.tensor([11 + p]), 100).float()  # greedy: 11 + p
+
+    first = torch.nn.functional.one_hot(torch.tensor([15]), 100).float()  # the prompt's 5 tokens: 15 at 5
+    out = decode_n_tokens(model, first, torch.tensor([5]), Rewinding(), 5, set(), (0.0, None, None), None,
+                          on_token=lambda row, tok: seen.append(tok))
+    assert out == [[15, 16, 17, 18, 19]]
+    assert fed == [(15, 5), (16, 6), (17, 7), (16, 6), (17, 7), (18, 8)]
+    assert seen == [15, 16, 17, -2, 16, 17, 18, 19]
 
 
 def test_chat_answers_paris(smollm2):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import minikv
-from minikv.policies.base import _REGISTRY
+from minikv.policies.registry import _REGISTRY
 
 ROOT = Path(__file__).resolve().parent.parent
 

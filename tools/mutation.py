@@ -65,7 +65,8 @@ SCOPES = {
     # worker thread, full KV; judged by the contract matrix, the spec, worker, recall-order, paged
     # store, tiers, accounting and plugin tests, two policies' kill tests (their bytes and dtypes),
     # --help and a ragged batch
-    "shared": ([f"{POL}/{m}.py" for m in ("base", "params", "tiers", "pool", "worker", "full")],
+    "shared": ([f"{POL}/{m}.py" for m in ("contract", "registry", "stats", "params", "tiers", "pool", "worker",
+                                          "full")],
                [f"{T}/test_contract.py", f"{T}/test_spec.py", f"{T}/test_worker.py", f"{T}/test_recall_order.py",
                 f"{T}/test_paged.py", f"{T}/test_tiers.py", f"{T}/test_accounting.py", f"{T}/test_freekv_kills.py",
                 f"{T}/test_icecache_kills.py", "tests/test_plugins.py", *HELP, *RAGGED, *NOT_MODELS]),

@@ -40,7 +40,7 @@ from ..atomic import atomic_write
 from ..cli import dumps, interrupted
 
 from ..policies import available, make
-from ..policies.base import _REGISTRY, parameters
+from ..policies.registry import _REGISTRY, parameters
 from . import compare_report as report
 from .common import add_common_arguments, environment, load_model, text_ids
 from .compare_figures import figures

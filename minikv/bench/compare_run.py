@@ -81,7 +81,7 @@ def answer(model, tok, b: Bound, logits: torch.Tensor, n_prompt: int, max_new_to
     each token comes (the first one: after the prefill)."""
     lengths = torch.tensor([n_prompt], device=model.device)
     eos = set(tok.eos_ids)
-    new, _ = decode_n_tokens(model, logits, lengths, b.policy, max_new_tokens, eos, (0.0, None, None), None,
+    new = decode_n_tokens(model, logits, lengths, b.policy, max_new_tokens, eos, (0.0, None, None), None,
                              on_token=lambda row, t: b.sample(n_prompt) if t >= 0 else None)
     return tok.decode([t for t in new[0] if t not in eos])
 

@@ -35,7 +35,7 @@ import torch
 
 from ..generate import decode_n_tokens, generate
 from ..policies import make
-from ..policies.base import _REGISTRY, parameters
+from ..policies.registry import _REGISTRY, parameters
 from .common import add_common_arguments, load_model, print_table, write_json
 from .shared_prefill import shared_prefill
 
@@ -122,7 +122,7 @@ def shared_trials(model, tok, specs: list[str], ids: list[int], new_tokens: int)
     lengths = torch.tensor([len(ids)], device=model.device)
     found = {}
     for spec, policy, first in zip(specs, policies, logits):
-        new, _ = decode_n_tokens(model, first, lengths, policy, new_tokens, set(), (0.0, None, None), None)
+        new = decode_n_tokens(model, first, lengths, policy, new_tokens, set(), (0.0, None, None), None)
         found[spec] = {"text": tok.decode(new[0]), "stats": policy.stats()}
     return found
 

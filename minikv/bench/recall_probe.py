@@ -11,7 +11,7 @@ as the layer reports them:
 Recall is the mean over query heads, over the layers that report indices, and over decode steps.
 The oracle at budget b is the best any selection of b tokens per KV head could do: per KV head the
 b tokens with the most attention summed over its GQA group (full attention's queries). Used by
-`bench recall` (attention_recall.py) and `bench compare` (compare_run.py).
+`bench recall` (research/attention_recall.py) and `bench compare` (compare_run.py).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from ..policies.base import Policy
+from ..policies.contract import Policy
 
 
 def renumbers_positions(policy: Policy) -> bool:

@@ -65,7 +65,6 @@ class SharedPrefill:
         self.tags = list(range(len(policies)))  # each sharing policy's index in `policies`
         self.left: list[int] = []  # the indices of the policies that left the shared forward
         self.steps = 0
-        self.last_action = None
 
     def layer(self, index: int) -> "SharedPrefill._Layer":
         return SharedPrefill._Layer(self, index)
@@ -77,7 +76,7 @@ class SharedPrefill:
 
     def end_step(self, logits=None) -> None:
         for p in self.policies:
-            p.last_action = p.end_step(logits)
+            p.end_step(logits)
         self.steps += 1
 
     def _keep(self, agree: list[bool]) -> None:

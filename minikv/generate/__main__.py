@@ -27,7 +27,7 @@ DEFAULT_THREADS = 1  # see --threads
 def policy_epilog() -> str:
     """The policies, each parameter with its default, bounds and meaning (their declarations in
     minikv/policies), for --help."""
-    from ..policies.base import _REGISTRY
+    from ..policies.registry import _REGISTRY
     from ..policies.params import describe
 
     lines = ["policies (--policy NAME:key=value,...; each parameter with its default, bounds and meaning):"]
@@ -177,7 +177,7 @@ def json_result(text: str, ids: list[int], stats: dict, spec: str) -> str:
         bad = [k for k, v in stats.items() if not _json_holds(v)]
         print(dumps({"text": text, "token_ids": ids, "stats": {k: None if k in bad else v for k, v in stats.items()}}))
         sys.stdout.flush()
-        from ..policies.base import _REGISTRY
+        from ..policies.registry import _REGISTRY
 
         cls = _REGISTRY.get(spec.partition(":")[0].strip())
         who = f"policy {cls.name!r} (module {cls.__module__})" if cls else f"policy {spec!r}"

@@ -214,8 +214,8 @@ class PolicyCache(Cache):
         """After a forward: the policy's per-step bookkeeping, then a rewind if it asks for one."""
         T = self.positions.shape[1]
         last = logits[:, -1].float() if logits is not None else None  # (B, V)
-        action = self.policy.end_step(last)
-        self.policy.last_action = self.last_action = action
+        self.policy.end_step(last)
+        action = self.last_action = self.policy.last_action
         self.seen += T
         n = action.rewind if action is not None else 0
         if n:

@@ -70,8 +70,9 @@ class DecoderLM(nn.Module):
             x = x[torch.arange(B, device=x.device), logits_at]  # (B, C)
         logits = self.head(x)
         if policy is not None:
-            # per-step bookkeeping sees the next-token distribution (entropy-guided recovery)
-            policy.last_action = policy.end_step(logits if logits.dim() == 2 else logits[:, -1])
+            # per-step work sees the next-token distribution (entropy-guided recovery); what it
+            # asks of the generation loop, the policy keeps (policy.last_action)
+            policy.end_step(logits if logits.dim() == 2 else logits[:, -1])
         return logits
 
     # The blocks and the output head are methods of their own so that minikv.fast can replace

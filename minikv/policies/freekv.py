@@ -54,7 +54,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.page_scores import GROUP_REDUCES, page_scores
-from .base import LayerKV, Policy, dense_attention, param, register
+from .contract import LayerKV, Policy, dense_attention, param
+from .registry import register
 from .full import FullLayer
 from .paged import DIGESTS, HostPages, PagedKV, PagedLayer, check_page_geometry
 from .pool import Staging
@@ -236,7 +237,7 @@ class FreeKV(Policy):
     kernels = ("page_scores", "paged_attention", "page_gather", "page_layout", "decode_attention")  # skip_layers: full
     PAPER = dict(digest="minmax")  # the text's "min-max pooled keys (similar to Quest)"
     PAPER_SIZES = dict(budget=2048)  # "Budget B was fixed at 2048" (Experiments)
-    # the contract matrix's data (base.Policy, "What check_policy reads")
+    # the contract matrix's data (contract.Policy, "What check_policy reads")
     covering_spec = "freekv:page_size=4,budget=160,sink=4,window=8"
     small_spec, small_budget = "freekv:page_size=4,budget=24,sink=4,window=8", 24
     stats_keys = ("correction_rate", "pages_recalled", "pages_recalled_per_step", "speculative_exact_rate")

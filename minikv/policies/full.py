@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.decode_attention import decode_attention
-from .base import LayerKV, Policy, dense_attention, register
+from .contract import LayerKV, Policy, dense_attention
+from .registry import register
 
 
 class FullLayer(LayerKV):
@@ -83,7 +84,7 @@ class Full(Policy):
     has_paper = False  # the baseline: full:paper is full
     max_batch = None
     kernels = ("decode_attention",)
-    # the contract matrix's data (base.Policy, "What check_policy reads")
+    # the contract matrix's data (contract.Policy, "What check_policy reads")
     covering_spec = "full"
     prefill_equals_decoding = True
 

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.decode_attention import decode_attention
-from .base import LayerKV, Policy, dense_attention, param, register
+from .contract import LayerKV, Policy, dense_attention, param
+from .registry import register
 
 PREFILL_CHUNK = 256  # queries per block when summing the prompt's attention: bounds the score matrix
 
@@ -171,10 +172,9 @@ class H2O(Policy):
                                      "(none: half of it, (budget - 1) // 2, the paper's even split; 0: Algorithm 1 "
                                      "alone)", low=0)
 
-    # the contract matrix's data (base.Policy, "What check_policy reads")
+    # the contract matrix's data (contract.Policy, "What check_policy reads")
     covering_spec = "h2o:budget=1000000"
-    small_spec = "h2o:budget=24,window=8"
-    small_budget = 24
+    small_spec, small_budget = "h2o:budget=24,window=8", 24
     stats_keys = ("budget", "window", "tokens_evicted")
     offloads = False
     prefill_equals_decoding = False

@@ -40,7 +40,7 @@ import torch
 from ..kernels.page_gather import page_gather
 from ..kernels.page_scores import pack_codes
 from ..kernels.page_layout import hnd_to_nhd, nhd_to_hnd
-from .base import LayerKV
+from .contract import LayerKV
 from .pool import PagePool, Staging, refill
 from .tiers import backend_on
 

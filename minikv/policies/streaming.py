@@ -37,7 +37,8 @@ import torch
 
 from ..kernels.decode_attention import decode_attention
 from ..kernels.rope_delta import rope_delta
-from .base import LayerKV, Policy, dense_attention, param, register
+from .contract import LayerKV, Policy, dense_attention, param
+from .registry import register
 
 PREFILL_CHUNK = 256  # queries per block of the streaming prefill: bounds its score matrix
 
@@ -221,7 +222,7 @@ class Streaming(Policy):
     name = "streaming"
     max_batch = 1  # one sequence: every row would need its own prune schedule and cache positions
     kernels = ("decode_attention", "rope_delta")
-    # the contract matrix's data (base.Policy, "What check_policy reads")
+    # the contract matrix's data (contract.Policy, "What check_policy reads")
     covering_spec = "streaming:sink=4,window=90"  # prunes past sink + window + R = 126 > 120 tokens
     small_spec, small_budget = "streaming:sink=4,window=24", 4 + 24 + 32  # sink + window + R
     stats_keys = ("budget", "cache_length", "prune_events", "tokens_dropped", "compactions")
@@ -299,8 +300,7 @@ class Streaming(Policy):
         out.update({
             "sink": self.sink, "window": self.window, "R": self.R, "slack": self.slack, "max_drop": self.max_drop,
             "soft_capacity": self.soft_capacity, "hard_capacity": self.soft_capacity + self.slack,
-            "budget": self.budget, "capacity": self.capacity,
-            "cache_length": first.n,
+            "budget": self.budget, "capacity": self.capacity, "cache_length": first.n,
             "prune_events": first.events,
             "tokens_dropped": first.dropped,
             "dropped_per_event_mean": first.dropped / first.events if first.events else 0.0,

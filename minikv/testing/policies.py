@@ -1,10 +1,10 @@
-"""check_policy: the policy contract (policies/base.py) as one matrix, for minikv's policies and yours.
+"""check_policy: the policy contract (policies/contract.py) as one matrix, for minikv's policies and yours.
 
     from minikv.testing import check_policy
     check_policy("h2o")            # a registered name, a spec ("h2o:budget=16,window=4") or the class
 
 It raises PolicyContractError (an AssertionError) naming the check, the model and the spec, or
-returns a dict of what it ran. The data it needs is declared on the policy class (base.Policy,
+returns a dict of what it ran. The data it needs is declared on the policy class (contract.Policy,
 "What check_policy reads"): a covering spec, a small spec and its budget, the stats keys the
 policy adds, whether it offloads, whether its prefill equals token-by-token decoding. On tiny
 random models of every family minikv loads (built here, seeded: nothing to download) and, when
@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 from ..kernels import BACKENDS, check_backend, policy_backends
-from ..policies.base import Policy, _REGISTRY, discover, make, parameters
+from ..policies.contract import Policy
+from ..policies.registry import _REGISTRY, discover, make, parameters
 from ..policies.params import value_type
 from .models import FAMILIES, tiny_model
 from .recorder import fail as _fail

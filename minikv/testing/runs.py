@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..policies.base import make
+from ..policies.registry import make
 from .oracle import OracleRun
 from .recorder import Recorder, fail as _fail
 

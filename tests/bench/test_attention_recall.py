@@ -6,7 +6,8 @@ import torch
 
 from minikv.bench.recall_probe import RecallProbe, attended_mass, oracle_mass
 from minikv.config import ModelConfig
-from minikv.policies.base import LayerKV, Policy, dense_attention
+from minikv.models.attention import dense_attention
+from minikv.policies.contract import LayerKV, Policy
 
 from ..fixtures import DEVICE
 

@@ -7,7 +7,7 @@ from minikv.bench.__main__ import main
 from minikv.bench.compare import configs
 from minikv.bench.compare_report import annotate, markdown
 from minikv.policies import available
-from minikv.policies.base import _REGISTRY, parameters
+from minikv.policies.registry import _REGISTRY, parameters
 
 
 def test_every_policy_at_every_budget_and_full_first():

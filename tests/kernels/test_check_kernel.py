@@ -237,7 +237,7 @@ def test_policies_refuse_a_backend_they_do_not_implement(counted_backend):
 def test_a_policy_without_kernels_refuses_triton():
     from dataclasses import dataclass
 
-    from minikv.policies.base import Policy
+    from minikv.policies.contract import Policy
 
     @dataclass(eq=False, kw_only=True)
     class NoKernels(Policy):

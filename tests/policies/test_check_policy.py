@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import minikv
-from minikv.policies.base import _REGISTRY
+from minikv.policies.registry import _REGISTRY
 from minikv.testing import PolicyContractError, check_policy
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"

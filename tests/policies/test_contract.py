@@ -1,6 +1,6 @@
 """The policy contract, one matrix over every registered policy (policies.available()), as kvpress
 runs one over every press: minikv.testing.check_policy, with the data each policy declares on its
-class (base.Policy, "What check_policy reads"), on the tiny model of every family and SmolLM2.
+class (contract.Policy, "What check_policy reads"), on the tiny model of every family and SmolLM2.
 Below it, checks of single parameters the matrix does not reach."""
 from __future__ import annotations
 

@@ -500,7 +500,7 @@ def test_dci_recall_smollm2_keys(smollm2):
     random-key test is the one that separates the tree from a random pick (the README's bench runs
     2k-8k keys). Exhaustive parameters give 1.0."""
     from minikv.bench.common import text_ids
-    from minikv.bench.dci_recall import record_qk, tree_recall
+    from minikv.bench.research.dci_recall import record_qk, tree_recall
 
     model, tok = smollm2
     qk = record_qk(model, text_ids(tok, 1008), [4, 15, 27])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from minikv.policies import Policy, available, make
-from minikv.policies.base import _REGISTRY, register
+from minikv.policies.registry import _REGISTRY, register
 from minikv.policies.params import param, parse_value, show, value_type
 
 
@@ -192,7 +192,7 @@ def test_a_size_given_beside_the_preset_stays(name):
 def test_every_policy_takes_the_paper_preset(name):
     """NAME:paper is NAME:preset=paper; the preset's values are declared parameters, pass their
     checks, and are what the policy holds; a value given against them is refused by name."""
-    from minikv.policies.base import parameters
+    from minikv.policies.registry import parameters
     from minikv.policies.params import paper_rules
 
     cls = _REGISTRY[name]

@@ -41,17 +41,18 @@ speculation, the authors' default).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar
 
 import torch
 
 from ...kernels import check_backend
-from ..base import LayerKV, Policy, dense_attention, param, register
+from ..contract import LayerKV, Policy, dense_attention, param
 from ..full import FullLayer
 from ..paged import PagedKV, PagedLayer, check_page_geometry
 from ..pool import Staging
+from ..registry import register
 from ..tiers import backend_on
 from . import pdci
+from .pages_fast import fast_search
 from .search import CLOSEST, field_of_view, merge_group, merge_union, page_lists
 from .tree import FIRST_PROMOTION, DCIForest, promotion_levels, promotion_stream, random_directions
 
@@ -126,7 +127,7 @@ class IceCacheLayer(PagedLayer):
             # the batched search (backend eager or triton) keeps its state beside the tree; the
             # greedy descent has one form, pdci.py, whatever the backend
             fast = policy.search != "reference" and policy.descent == "level"
-            self.searcher = policy.fast_search(self.forest, policy.host_backend) if fast else None
+            self.searcher = fast_search(self.forest, policy.host_backend) if fast else None
         else:
             self.forest, self.searcher = anchor.forest, anchor.searcher
         self.K = policy.n_select
@@ -220,14 +221,11 @@ class IceCache(Policy):
     # as written, parents by QUERY(k, T, l, 1); P-DCI's stop checked after every point
     PAPER = dict(window_offload="before", promotion="random", gqa="union", descent="greedy", simple=4, composite=2,
                  batch=1)
-    # the contract matrix's data (base.Policy, "What check_policy reads")
+    # the contract matrix's data (contract.Policy, "What check_policy reads")
     covering_spec = "icecache:page_size=2,budget=160,sink=2,window=4,skip_layers=0"
     small_spec, small_budget = "icecache:page_size=2,budget=16,sink=2,window=4,skip_layers=0", 16
     stats_keys = ("pages_recalled", "pages_recalled_per_step", "keys_scored_fraction", "mean_page_fill")
     offloads = True
-    # the batched search for a tree, fast_search(forest, backend): pages_fast.fast_search, put
-    # here by the package (icecache/__init__.py) so that this module reads without the fast forms
-    fast_search: ClassVar[Callable | None] = None
 
     page_size: int = param(16, low=1)
     budget: int = param(256, low=0, multiple_of="page_size")

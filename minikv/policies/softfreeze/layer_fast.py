@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels.attention_relevance import attention_relevance
-from ..base import LayerKV, dense_attention
+from ..contract import LayerKV, dense_attention
 from .schedule import attention_share, attention_weights
 from .schedule_fast import NOT_FROZEN
 

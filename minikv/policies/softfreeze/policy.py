@@ -13,8 +13,8 @@ back bit for bit and is judged again. Where to read what:
     schedule.Algorithm1Layer     Algorithm 1 per layer, the paper's names: backend=reference
     recovery.RecoveryLadder      Entropy-Guided Recovery, the rungs SR, WR, FR, RR (Section 3.6)
     kernels/attention_relevance  lines 1-2: attention and s_j in one pass (reference.py)
-    schedule_fast, layer_fast    the fast form of the same schedule, all layers at once (default;
-                                 the package plugs it in: this module does not import it)
+    schedule_fast, layer_fast    the fast form of the same schedule, all layers at once (the
+                                 default; bind and make_layer pick the form by backend)
 
 The paper's rules: `softfreeze:paper` (preset=paper: score=raw, tau=0.5, judge_prompt=true,
 egr=false, the paper's Eq. 2, threshold and first step, and no recovery, which Sec. 3.6 leaves to
@@ -41,13 +41,15 @@ and leaves it to future work; its trigger and rungs here are minikv's design (re
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
-from ..base import Policy, StepAction, param, register
+from ..contract import Policy, StepAction, param
+from ..registry import register
+from .layer_fast import FastAlgorithm1Layer
 from .recovery import RecoveryLadder
 from .schedule import Algorithm1Layer
+from .schedule_fast import FreezeTiers
 
 
 @register
@@ -62,19 +64,12 @@ class SoftFreeze(RecoveryLadder, Policy):
     # Eq. 2 as it is, Sec. 4.1's tau = 0.50, the prefill's forward as the first generation step, and
     # no recovery: "Full implementation and evaluation of the recovery system is planned for future work"
     PAPER = dict(score="raw", tau=0.5, judge_prompt=True, egr=False)
-    # the contract matrix's data (base.Policy, "What check_policy reads")
+    # the contract matrix's data (contract.Policy, "What check_policy reads")
     covering_spec = "softfreeze:tau=0"  # nothing is below relevance 0: nothing freezes
     small_spec = "softfreeze:softness=1"  # no budget: it freezes by relevance, from the first step on
     stats_keys = ("compression", "total_tokens", "freezes", "thaws", "spikes", "rewalks", "recovered_tokens")
     offloads = True
     reports_attended = False  # attended_indices() answers None though frozen tokens are not read
-    # the fast form (backend eager or triton): the state of all layers stacked, which runs lines
-    # 3-15 for every layer at once (schedule_fast.FreezeTiers), and a layer that views it
-    # (layer_fast.FastAlgorithm1Layer). The package puts them here (softfreeze/__init__.py), so
-    # that this module and schedule.py read without them.
-    fast_tiers: ClassVar[type | None] = None
-    fast_layer: ClassVar[type | None] = None
-
     window: int = param(32, "the paper's K: the most recent tokens, never frozen", low=0)
     tau: float = param(1.0, "relevance threshold: a token with s_j < tau is counted (line 3)", low=0)
     # k > 2^16 would need over 2^32 detections before a first freeze, more than any context
@@ -121,8 +116,9 @@ class SoftFreeze(RecoveryLadder, Policy):
         W = self.declared_history
         self.history = None if W is None or W >= kwargs["max_len"] else W
         super().bind(cfg, **kwargs)
-        # the fast form's stacked state of all layers (None: Algorithm1Layer, each its own)
-        self.state = None if self.backend == "reference" else self.fast_tiers(self, cfg.n_layers)
+        # the fast form (backend eager or triton): the state of all layers stacked, which runs
+        # lines 3-15 for every layer at once (None: Algorithm1Layer, each its own)
+        self.state = None if self.backend == "reference" else FreezeTiers(self, cfg.n_layers)
         self.scores: list[torch.Tensor | None] = [None] * cfg.n_layers  # each layer's s_j of this forward
         self.entropies: list[float] = []  # H of each step's next-token distribution, nats
         self.level = 0  # the ladder's current rung, 0 = calm
@@ -134,7 +130,8 @@ class SoftFreeze(RecoveryLadder, Policy):
         return self
 
     def make_layer(self, index: int):
-        return Algorithm1Layer(self, index) if self.backend == "reference" else self.fast_layer(self, index)
+        # the fast form's layer is a view of self.state
+        return Algorithm1Layer(self, index) if self.backend == "reference" else FastAlgorithm1Layer(self, index)
 
     # -- per step ----------------------------------------------------------------------------
     def end_step(self, logits: torch.Tensor | None = None) -> StepAction | None:
@@ -161,7 +158,9 @@ class SoftFreeze(RecoveryLadder, Policy):
         self.counters["spikes"] += 1
         self.calm = 0
         self.level = min(self.level + 1, 4)
-        return self.climb(self.level, now)
+        # the rung taken; a rewalk asks the loop to feed its tokens again (StepAction.rewind)
+        self.last_action = self.climb(self.level, now)
+        return self.last_action
 
     def freeze_and_thaw(self, scores: list[torch.Tensor], now: int) -> None:
         """Lines 3-15 of Algorithm 1 in every layer, on the s_j (Eq. 2) its attention gave in

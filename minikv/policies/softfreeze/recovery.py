@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from ..base import StepAction
+from ..contract import StepAction
 
 
 class RecoveryLadder:

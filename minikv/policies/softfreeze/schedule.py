@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels.attention_relevance import attention_relevance
-from ..base import LayerKV, dense_attention
+from ..contract import LayerKV, dense_attention
 
 
 def attention_share(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

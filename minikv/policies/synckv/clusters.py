@@ -7,7 +7,7 @@ is the max-pool of its query heads' maps (App. B.1; kernels/attention_topk). The
 D = max(S) - S is clustered by K-means on its rows (App. B.1 step 3) into N_r clusters, and the
 member nearest its cluster's centroid is the representative head (R-head, step 4).
 
-`python -m minikv.bench cluster-heads` (bench/cluster_heads.py) runs a model over a corpus and
+`python -m minikv.bench cluster-heads` (bench/research/cluster_heads.py) runs a model over a corpus and
 writes a JSON file holding, per layer, S and the clusterings for every N_r from 1 to the number
 of KV heads. The file is keyed by the model's identity: a SHA-256 of its config (the only thing a
 policy sees when it is bound) and one of its safetensors weights (recorded; checked by the

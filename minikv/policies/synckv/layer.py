@@ -14,19 +14,15 @@ selection point, unread, until they go to the bank as the next selection's candi
 from __future__ import annotations
 
 from itertools import count
-from typing import TYPE_CHECKING
 
 import torch
 
 from ...kernels.attention_topk import attention_topk
 from ...kernels.decode_attention import decode_attention
 from ...kernels.gathered_attention import gathered_attention
-from ..base import LayerKV, dense_attention
+from ..contract import LayerKV, Policy, dense_attention
 from ..pool import refill
 from .bank import ContextBank
-
-if TYPE_CHECKING:
-    from .policy import SyncKV
 
 
 def query_heads(kv_heads: list[int], group: int, device) -> torch.Tensor:
@@ -35,7 +31,7 @@ def query_heads(kv_heads: list[int], group: int, device) -> torch.Tensor:
 
 
 class SyncKVLayer(LayerKV):
-    def __init__(self, policy: "SyncKV", index: int):
+    def __init__(self, policy: Policy, index: int):  # a SyncKV (policy.py), which builds its layers
         super().__init__(policy, index)
         cfg, dev, D = policy.cfg, policy.tiers.device, policy.cfg.head_dim
         spec = policy.clustering[index]

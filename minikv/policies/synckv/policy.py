@@ -52,7 +52,8 @@ import math
 from pathlib import Path
 from dataclasses import dataclass
 
-from ..base import Policy, param, register
+from ..contract import Policy, param
+from ..registry import register
 from ..pool import Staging
 from ..worker import policy_worker
 from .clusters import FORMAT, config_sha256, find_clustering, least_agreeing_layers, read_similarity
@@ -81,7 +82,7 @@ class SyncKV(Policy):
     # the whole attention vector, static tokens included
     PAPER = dict(wide_layers=0, nr_reads="union", window=0, exclude_static=False)
     PAPER_SIZES = dict(n_r=None)  # "N_r to 2 for the Llama model and 1 for Qwen model": paper_n_r, at bind
-    # the contract matrix's data (base.Policy, "What check_policy reads")
+    # the contract matrix's data (contract.Policy, "What check_policy reads")
     covering_spec = "synckv:budget=160,window=32,m=3,wide_layers=0"
     small_spec, small_budget = "synckv:budget=48,window=8,m=3,wide_layers=0", 48  # of the NR-heads
     stats_keys = ("anticipation_steps", "tokens_fetched", "mem_percent", "clustering_file")

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import sys
 
-from ..policies import available, make
-from .common import add_common_arguments, load_model, print_table, text_ids, write_json
-from .compare import BUDGETS, configs
-from .compare_run import long_pass
-from .recall_probe import RecallProbe, renumbers_positions
+from ...policies import available, make
+from ..common import add_common_arguments, load_model, print_table, text_ids, write_json
+from ..compare import BUDGETS, configs
+from ..compare_run import long_pass
+from ..recall_probe import RecallProbe, renumbers_positions
 
 COMMAND = "recall"
 

@@ -33,15 +33,15 @@ from collections import defaultdict
 
 import torch
 
-from ..generate import decode_n_tokens, decode_one_token
-from ..kernels.page_scores import GROUP_REDUCES, pack_codes, page_scores
-from ..policies import make
-from ..policies.paged import DIGESTS, HostPages, page_digest
-from .common import add_common_arguments, load_model, print_table, write_json
-from .compare_run import Bound, answer, bind, prefill_all
-from .passkey import with_budget
-from .recall_probe import RecallProbe, attended_mass, full_attention_probs
-from .tasks import haystacks, make_instance, string_match_all
+from ...generate import decode_n_tokens, decode_one_token
+from ...kernels.page_scores import GROUP_REDUCES, pack_codes, page_scores
+from ...policies import make
+from ...policies.paged import DIGESTS, HostPages, page_digest
+from ..common import add_common_arguments, load_model, print_table, write_json
+from ..compare_run import Bound, answer, bind, prefill_all
+from ..passkey import with_budget
+from ..recall_probe import RecallProbe, attended_mass, full_attention_probs
+from ..tasks import haystacks, make_instance, string_match_all
 
 COMMAND = "needle-mass"
 ONE_NEEDLE = ("passkey", "niah_single_1")  # the tasks with one needle and a choice of haystack
@@ -144,7 +144,7 @@ def run_instance(model, tok, inst, specs: list[str], answers: bool = True) -> di
 
     rows = [row(i) for i in range(len(plan))]
     logits = prefill_all(model, rows, inst.ids, row)
-    new, _ = decode_n_tokens(model, logits[0], torch.tensor([n], device=model.device), rows[0].policy,
+    new = decode_n_tokens(model, logits[0], torch.tensor([n], device=model.device), rows[0].policy,
                              inst.max_new_tokens, eos, (0.0, None, None), None)
     truth = new[0]  # full KV's answer, fed to every teacher-forced row
     out = {"task": inst.key, "seed": inst.seed, "depth": inst.depths[0], "full": hit(tok, truth, inst), "policies": {}}

@@ -1,4 +1,5 @@
-"""The policy contract: what every KV-cache policy implements, and the tiers it stores into.
+"""The policy contract: what every KV-cache policy implements (Policy), and what it builds per layer
+(LayerKV). The registry and spec strings are registry.py's, the tier accounting stats.py's.
 
 A Policy is built with its parameters (`make("streaming:sink=4,window=252")`), then bound to a
 model (`policy.bind(cfg, device=..., dtype=..., max_len=...)`), which builds one LayerKV per
@@ -14,8 +15,9 @@ hands them to `policy.layer(i)`:
 see. Before the layers run, the model asks `policy.rope_positions(positions)` where to rotate q
 and k: the absolute positions for every policy but one that renumbers (streaming), which answers
 with cache positions, so that a token is rotated once, where it will be read. After the last
-layer of each forward the generation loop calls `policy.end_step(logits)`; `policy.stats()`
-reports tiers and events at any time.
+layer of each forward the model calls `policy.end_step(logits)`, the policy's per-step work; what
+it asks of the generation loop (a rewind) it keeps in `last_action`, which the loop reads.
+`policy.stats()` reports tiers and events at any time.
 
 Tiers: `device` is where attention runs (the model's device); `host` is CPU memory, pinned when
 CUDA is present. On a CPU-only machine both are CPU memory: the copies still happen and the
@@ -32,15 +34,16 @@ import torch
 
 from ..config import ModelConfig
 from ..kernels import check_backend
-from ..models.attention import dense_attention, expand_kv  # noqa: F401  (re-exported for policies)
+from ..models.attention import dense_attention  # noqa: F401  (re-exported: the attention `out` must equal)
 from ..models.rope import RotaryEmbedding
-from .params import PRESETS, apply_preset, check_fields, declarations, param, parse_value, preset_conflicts, value_type
+from .params import PRESETS, apply_preset, check_fields, param, preset_conflicts
+from .stats import TierStats
 from .tiers import Tiers
 
 
 @dataclass
 class StepAction:
-    """What end_step asks of the generation loop.
+    """What a step asks of the generation loop (`Policy.last_action`, set by end_step).
 
     `rewind=n`: the policy has already removed the KV of the last n tokens fed to the model (at
     positions p-n+1 .. p, p the position just decoded). The loop drops the token it was about to
@@ -98,7 +101,7 @@ class LayerKV(ABC):
 
 
 @dataclass(eq=False, kw_only=True)
-class Policy(ABC):
+class Policy(TierStats, ABC):
     """Base of all policies. A policy is a dataclass (as kvpress's presses are): its parameters
     are fields declared with `param` (default, bounds, one-line meaning), from which `make`'s
     parser, the checks below and `--help` all derive. A subclass sets `name`, declares its
@@ -154,9 +157,7 @@ class Policy(ABC):
         self.cfg: ModelConfig | None = None
         self.layers: list[LayerKV] = []
         self.steps = 0
-        self._peak_device_tokens = 0.0
-        self._decode_device_tokens = 0.0
-        self.last_action: StepAction | None = None
+        self.last_action: StepAction | None = None  # what the last step asks of the loop
 
     # -- binding ---------------------------------------------------------------------------
     def bind(self, cfg: ModelConfig, *, device, dtype: torch.dtype, max_len: int, batch_size: int = 1) -> "Policy":
@@ -168,8 +169,8 @@ class Policy(ABC):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
         self.validate(cfg)
         self.steps = 0
-        self._peak_device_tokens = 0.0
-        self._decode_device_tokens = 0.0  # sum over decode steps of the mean device tokens per layer
+        self.last_action = None
+        self.reset_counts()
         self.allocate_shared()
         self.layers = [self.make_layer(i) for i in range(cfg.n_layers)]
         return self
@@ -212,138 +213,10 @@ class Policy(ABC):
 
     # -- per step --------------------------------------------------------------------------
     def end_step(self, logits: torch.Tensor | None = None) -> StepAction | None:
-        """Called by the generation loop after every forward (prefill included)."""
-        tokens = self._mean(lambda layer: layer.device_tokens())
-        if self.steps > 0:  # a decode step: what its attention read (counted after the step)
-            self._decode_device_tokens += tokens
+        """Called by the model after every forward (prefill included), on the next-token logits
+        (B, V). A policy that asks something of the loop (softfreeze's rewind) overrides this,
+        calls it first, then sets `self.last_action` and returns it; the rest ask nothing."""
+        self.count_step()
         self.steps += 1
-        self._peak_device_tokens = max(self._peak_device_tokens, tokens)
+        self.last_action = None
         return None
-
-    # -- accounting ------------------------------------------------------------------------
-    def _mean(self, fn) -> float:
-        return sum(fn(layer) for layer in self.layers) / max(len(self.layers), 1)
-
-    def aux_bytes(self) -> tuple[int, int]:
-        """(device, host) bytes of buffers the policy shares between its layers (scratch,
-        staging). Counted in the allocated figures of `stats`."""
-        return 0, 0
-
-    def token_bytes(self) -> int:
-        """Bytes of K and V of one token in one layer, all KV heads."""
-        return 2 * self.cfg.n_kv_heads * self.cfg.head_dim * torch.empty((), dtype=self.dtype).element_size()
-
-    def stats(self) -> dict:
-        """Tiers (tokens per KV head, mean over layers; bytes summed over layers and the batch)
-        plus what the policy did. Subclasses extend with their own counters.
-
-        Two byte figures per tier, the same way on both:
-          device_bytes, host_bytes          K and V of the tokens held there now (used)
-          device_bytes_allocated, ...       K and V slots reserved there (preallocated buffers
-                                            in full) plus the policy's aux_bytes (digests,
-                                            trees, staging buffers, shared scratch)"""
-        per_layer_device = [layer.device_tokens() for layer in self.layers]
-        per_layer_host = [layer.host_tokens() for layer in self.layers]
-        rows, tb = self.batch_size, self.token_bytes()
-        aux_device, aux_host = self.aux_bytes()
-        aux_device += sum(layer.aux_bytes()[0] for layer in self.layers)
-        aux_host += sum(layer.aux_bytes()[1] for layer in self.layers)
-        return {
-            "policy": self.name,
-            "device_tokens": sum(per_layer_device) / len(self.layers),
-            "host_tokens": sum(per_layer_host) / len(self.layers),
-            "device_tokens_peak": max(self._peak_device_tokens, sum(per_layer_device) / len(self.layers)),
-            # KV bytes attention read per decode step, mean over the steps (all layers and rows),
-            # with each step's device tokens counted after the step (a policy that prunes after
-            # attention, like streaming, read up to its prune size more)
-            "kv_bytes_read_per_step": rows * self.cfg.n_layers * tb * self._decode_device_tokens / max(self.steps - 1, 1),
-            "device_bytes": round(rows * sum(per_layer_device) * tb),
-            "host_bytes": round(rows * sum(per_layer_host) * tb),
-            "device_bytes_allocated": rows * sum(l.allocated_device_tokens() for l in self.layers) * tb + aux_device,
-            "host_bytes_allocated": rows * sum(l.allocated_host_tokens() for l in self.layers) * tb + aux_host,
-            "bytes_to_host": self.tiers.bytes_to_host,
-            "bytes_to_device": self.tiers.bytes_to_device,
-            "device_tokens_per_layer": per_layer_device,
-            "host_tokens_per_layer": per_layer_host,
-        }
-
-
-# -- spec strings ------------------------------------------------------------------------------
-
-_REGISTRY: dict[str, type[Policy]] = {}
-
-
-def register(cls: type[Policy]) -> type[Policy]:
-    """Class decorator: make a Policy subclass available by its `name` to make(), --policy,
-    bench compare and minikv.hf (public as minikv.register_policy; docs/extending.md). A policy
-    is a dataclass: write @register_policy above @dataclass(eq=False, kw_only=True)."""
-    if not (isinstance(cls, type) and issubclass(cls, Policy)):
-        raise TypeError(f"register_policy takes a subclass of minikv.policies.Policy, got {cls!r}")
-    if not cls.name or not cls.name.replace("_", "").isalnum():
-        raise ValueError(f"{cls.__name__}.name must be a word (letters, digits, _), got {cls.name!r}")
-    old = _REGISTRY.get(cls.name)
-    if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
-        raise ValueError(f"policy name {cls.name!r} is taken by {old.__module__}.{old.__qualname__}")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-register_policy = register
-
-
-def discover() -> None:
-    """Import the policies installed packages declare (entry-point group minikv.policies), once."""
-    from ..plugins import load_entry_points
-
-    load_entry_points()
-
-
-def available() -> list[str]:
-    discover()
-    return sorted(_REGISTRY)
-
-
-def parameters(cls: type[Policy]) -> dict:
-    """name -> dataclass field of each parameter of a policy class (params.declarations)."""
-    return declarations(cls)
-
-
-def make(spec: "str | Policy", **overrides) -> Policy:
-    """Build a policy from a spec string "name:key=value,key=value" (or pass a Policy through);
-    "name:paper,..." is "name:preset=paper,..." (params.py, the paper as a preset).
-
-    Unknown names or parameters raise ValueError listing what exists; each value is parsed as
-    its parameter's type (its declaration, params.py), so `speculative=maybe` or `window=abc`
-    fail here, with no model, as does whatever the policy's checks refuse.
-    """
-    if isinstance(spec, Policy):
-        return spec
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"a policy spec is a non-empty string like 'streaming:sink=4', got {spec!r}")
-    name, _, rest = spec.strip().partition(":")
-    name = name.strip()
-    if name not in _REGISTRY:
-        discover()
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown policy {name!r}; available: {', '.join(available())}")
-    cls = _REGISTRY[name]
-    known = parameters(cls)
-    kwargs = {}
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        key, eq, value = item.partition("=")
-        key = key.strip()
-        if not eq and key in PRESETS:  # the alias NAME:paper for NAME:preset=paper
-            key, eq, value = "preset", "=", key
-        if not eq:
-            raise ValueError(f"policy parameter {item!r} in {spec!r} is not of the form key=value")
-        if key not in known:
-            raise ValueError(f"policy {name!r} has no parameter {key!r}; parameters: {', '.join(known)}")
-        if key in kwargs:  # not the last one silently: which did the user mean?
-            raise ValueError(f"policy {name!r}: parameter {key!r} is given twice in {spec!r}")
-        kind, nullable = value_type(known[key])
-        kwargs[key] = parse_value(value.strip(), kind, nullable, where=f"policy {name!r}: {key}")
-    for key in overrides:
-        if key not in known:
-            raise ValueError(f"policy {name!r} has no parameter {key!r}; parameters: {', '.join(known)}")
-    kwargs.update(overrides)
-    return cls(**kwargs)  # Policy.__new__ refuses a parameter given against preset=paper

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from minikv.bench.__main__ import main
-from minikv.bench.quant2_cost import FORMS, P, must_score, random_layer
+from minikv.bench.research.quant2_cost import FORMS, P, must_score, random_layer
 from minikv.cli import run_command
 from minikv.kernels.page_scores import GROUP_REDUCES, pack_codes
 from minikv.kernels.page_scores.reference import coded_logits

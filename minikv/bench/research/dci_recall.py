@@ -19,10 +19,10 @@ import sys
 
 import torch
 
-from ..policies import make
-from ..policies.icecache.search_fast import FastSearch, top_keys
-from ..policies.icecache.tree import DCIForest, random_direction
-from .common import add_common_arguments, load_model, print_table, text_ids, write_json
+from ...policies import make
+from ...policies.icecache.search_fast import FastSearch, top_keys
+from ...policies.icecache.tree import DCIForest, random_direction
+from ..common import add_common_arguments, load_model, print_table, text_ids, write_json
 
 
 def record_qk(model, ids: list[int], layers: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

@@ -3,7 +3,7 @@ loads); tree_recall is exact with exhaustive parameters and counts the keys it s
 import torch
 
 from minikv.bench.__main__ import main
-from minikv.bench.dci_recall import tree_recall
+from minikv.bench.research.dci_recall import tree_recall
 from minikv.cli import run_command
 
 

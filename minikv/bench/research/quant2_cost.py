@@ -32,9 +32,9 @@ import time
 
 import torch
 
-from ..kernels.page_scores import GROUP_REDUCES, pack_codes, page_scores
-from ..kernels.page_scores.reference import LEVELS, coded_logits
-from .common import add_common_arguments, load_model, print_table, text_ids, write_json
+from ...kernels.page_scores import GROUP_REDUCES, pack_codes, page_scores
+from ...kernels.page_scores.reference import LEVELS, coded_logits
+from ..common import add_common_arguments, load_model, print_table, text_ids, write_json
 from .dci_recall import record_qk
 
 P = 32  # freekv's page size

@@ -25,14 +25,14 @@ import time
 
 import torch
 
-from ..atomic import atomic_write
-from ..cli import dumps
-from ..generate import generate
-from ..kernels.attention_topk import attention_topk
-from ..kernels.decode_attention import decode_attention
-from ..policies.full import Full, FullLayer
-from ..policies.synckv.clusters import SimilarityMeter, make_document, overlap, weights_sha256
-from .common import add_common_arguments, load_model, long_text, print_table
+from ...atomic import atomic_write
+from ...cli import dumps
+from ...generate import generate
+from ...kernels.attention_topk import attention_topk
+from ...kernels.decode_attention import decode_attention
+from ...policies.full import Full, FullLayer
+from ...policies.synckv.clusters import SimilarityMeter, make_document, overlap, weights_sha256
+from ..common import add_common_arguments, load_model, long_text, print_table
 
 DRIFT_STEPS = (10, 50, 200)
 
@@ -151,8 +151,8 @@ def check(args) -> None:
 
 
 def run(args) -> int:
-    from ..config import ModelConfig
-    from ..loading import resolve
+    from ...config import ModelConfig
+    from ...loading import resolve
 
     check(args)
     model_dir = resolve(args.model, progress=False)  # the config first: bad flags fail before the weights load

@@ -3,11 +3,11 @@ on hand-made attention and on a freekv layer whose keys put the needle in a know
 import pytest
 import torch
 
-from minikv.bench.needle_mass import NeedleProbe, best_rank, needle_mass, needle_pages, rank_table
+from minikv.bench.research.needle_mass import NeedleProbe, best_rank, needle_mass, needle_pages, rank_table
 from minikv.policies import make
 
-from ..fixtures import DEVICE
-from .test_attention_recall import tiny_cfg
+from ...fixtures import DEVICE
+from ..test_attention_recall import tiny_cfg
 
 
 def test_needle_mass_takes_the_group_head_that_reads_the_needle_and_its_held_part():
