@@ -32,7 +32,7 @@ from types import MethodType
 
 import torch
 
-from .worker import policy_worker, threads  # noqa: F401  (the policies' worker and its thread count)
+from .worker import policy_worker  # noqa: F401  (the worker a policy keeps, re-exported for it)
 
 
 @cache
