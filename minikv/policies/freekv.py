@@ -188,12 +188,6 @@ class FreeKVLayer(PagedLayer):
         if pages is not None and (heads is None or any(heads)):
             self.kv.recall(pages, heads=heads, background=True)
 
-    def allocated_host_tokens(self) -> int:
-        return self.pages.max_pages * self.kv.P  # the host tier is preallocated for max_len
-
-    def attended_indices(self) -> torch.Tensor:
-        return self.kv.read_indices()
-
 
 # the layer that runs: the rule, with its statistics recorded beside it (freekv_counts.py)
 CountedLayer = type("FreeKVLayer", (Counts, FreeKVLayer), {"__module__": __name__})

@@ -1,6 +1,7 @@
 """freekv's statistics, recorded beside its rule (freekv.py), which never calls them: `Counts`
-wraps three of the layer's functions and reads their arguments and results; `report` turns the
-counts into the stats() figures.
+wraps three of the layer's functions and reads their arguments and results, and answers the
+accounting (what the host holds, what attention read); `report` turns the counts into the
+stats() figures.
 
     decode          every decode step of the layer                         -> decode_steps
     drifted_heads   C_m per KV head at a step that chooses (more
@@ -22,7 +23,7 @@ import torch
 
 
 class Counts:
-    """Mixin before FreeKVLayer: the layer's counts (see the module docstring)."""
+    """Mixin before FreeKVLayer: the layer's counts and accounting (see the module docstring)."""
 
     def __init__(self, policy, index: int):
         super().__init__(policy, index)
@@ -54,6 +55,12 @@ class Counts:
         same = self.kv.holds(exact)
         self.spec_equal += sum(same)
         self.spec_compared += len(same)
+
+    def allocated_host_tokens(self) -> int:
+        return self.pages.max_pages * self.kv.P  # the host tier is preallocated for max_len
+
+    def attended_indices(self) -> torch.Tensor:
+        return self.kv.read_indices()
 
 
 def report(layers: list, decode_steps: int) -> dict:

@@ -7,6 +7,7 @@ the last step and where the KV lives, for stats(), the budget checks and attenti
                                   dynamic + window
     attended_indices, last_read   the same, token by token
     resident_tokens               Mem% (Table 3): KV held on the device per KV head
+    report                        the figures stats() adds
     anticipations, fetched        the layer's anticipation steps, from its step count; the
                                   (NR-head, token) rows fetched, as the bank counts them
 """
@@ -92,3 +93,18 @@ class Accounting:
 
     def aux_bytes(self) -> tuple[int, int]:
         return self.selectable.numel() * self.selectable.element_size(), 0
+
+
+def report(layers: list) -> dict:
+    """The figures stats() adds, from the layers' accounting (their fetches landed)."""
+    n_ant = sum(layer.anticipations for layer in layers)
+    n_nr = sum(len(layer.nr_heads) for layer in layers) / max(len(layers), 1)
+    fetched = sum(layer.fetched for layer in layers)
+    full = sum(layer.length for layer in layers)
+    return {
+        "anticipation_steps": max((layer.anticipations for layer in layers), default=0),
+        # tokens copied host -> device per NR-head per layer, per anticipation
+        "tokens_fetched": fetched,
+        "tokens_fetched_per_anticipation": fetched / n_ant / n_nr if n_ant and n_nr else 0.0,
+        "mem_percent": 100.0 * sum(layer.resident_tokens() for layer in layers) / full if full else 0.0,
+    }

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from ..base import Policy, param, register
 from ..overlap import background, policy_worker
 from ..pool import Staging
-from .accounting import Accounting
+from .accounting import Accounting, report
 from .clusters import FORMAT, config_sha256, find_clustering, least_agreeing_layers, read_similarity
 from .layer import SyncKVLayer
 
@@ -185,17 +185,5 @@ class SyncKV(Policy):
 
     def stats(self) -> dict:
         s = super().stats()  # (its device_tokens land every layer's fetch: overlap.py)
-        layers = self.layers
-        n_ant = sum(layer.anticipations for layer in layers)
-        n_nr = sum(len(layer.nr_heads) for layer in layers) / max(len(layers), 1)
-        fetched = sum(layer.fetched for layer in layers)
-        full = sum(layer.length for layer in layers)
-        s.update({
-            "anticipation_steps": max((layer.anticipations for layer in layers), default=0),
-            # tokens copied host -> device per NR-head per layer, per anticipation
-            "tokens_fetched": fetched,
-            "tokens_fetched_per_anticipation": fetched / n_ant / n_nr if n_ant and n_nr else 0.0,
-            "mem_percent": 100.0 * sum(layer.resident_tokens() for layer in layers) / full if full else 0.0,
-            "clustering_file": str(self.clustering_file),
-        })
+        s.update(report(self.layers), clustering_file=str(self.clustering_file))
         return s
