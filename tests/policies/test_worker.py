@@ -114,12 +114,33 @@ def test_freekv_worker_gives_the_synchronous_tokens_on_smollm2(smollm2):
 
 
 def test_reference_and_plain_quest_stay_synchronous():
+    """The synchronous form is the rule's class as written (no kept recall to land); overlap.py's
+    background form only where the worker runs in the background."""
     cfg = tiny_model("llama_gqa").cfg
     for spec in ("freekv:backend=reference", "freekv:backend=triton", "freekv:speculative=false",
                  "freekv:overlap=false"):
         policy = make(spec).bind(cfg, device="cpu", dtype=torch.float32, max_len=64)
         assert threads(policy) == 0 and thread_counts(policy, 1) == {"intra_op_threads": 1, "worker_threads": 0,
                                                                      "threads": 1}
+        assert not any(hasattr(layer, "land") for layer in policy.layers)
+    policy = make("freekv:overlap=true").bind(cfg, device="cpu", dtype=torch.float32, max_len=64)
+    assert all(hasattr(layer, "land") for layer in policy.layers)
+
+
+def test_the_rules_modules_leave_the_worker_to_overlap():
+    """freekv.py and synckv's layer.py and policy.py import no worker: policies/overlap.py
+    schedules the selection beside the model."""
+    import ast
+    import pathlib
+
+    import minikv.policies.freekv as freekv
+    import minikv.policies.synckv.layer as layer
+    import minikv.policies.synckv.policy as policy
+
+    for module in (freekv, layer, policy):
+        tree = ast.parse(pathlib.Path(module.__file__).read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert "worker" not in imported and not any(name.endswith(".worker") for name in imported if name), module
 
 
 # -- freekv: the join precedes every read or write of the layer's store ---------------------------
