@@ -8,15 +8,18 @@ import signal as _signal
 import sys as _sys
 
 
-def _interrupted_while_importing(*_):
-    _os.write(2, b"interrupted\n")
-    _os._exit(130)
+def _interrupted_while_importing(signum, _frame):
+    terminated = signum == _signal.SIGTERM
+    _os.write(2, b"terminated\n" if terminated else b"interrupted\n")
+    _os._exit(128 + signum)  # 130 after Ctrl-C, 143 after SIGTERM, as minikv.cli's commands end
 
 
 if _sys.argv[:1] == ["-m"] and _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
-    # `python -m minikv.<command>`: a Ctrl-C while torch imports (seconds) is one line, not a
-    # traceback; minikv.cli.run_command gives Ctrl-C its usual meaning back
+    # `python -m minikv.<command>`: a Ctrl-C (or SIGTERM) while torch imports (seconds) is one
+    # line, not a traceback; minikv.cli.run_command gives them their usual meaning back
     _signal.signal(_signal.SIGINT, _interrupted_while_importing)
+    if _signal.getsignal(_signal.SIGTERM) is _signal.SIG_DFL:
+        _signal.signal(_signal.SIGTERM, _interrupted_while_importing)
 
 from .kernels import select_interpreter_without_cuda  # noqa: E402
 

@@ -6,10 +6,13 @@ path, and the checks that need no model, so that a bad flag fails before the mod
 The library raises ValueError (a value it cannot use), OSError (FileNotFoundError: a missing file)
 or ImportError (a missing optional package) for what a user can fix. A command turns those into
 one line, `error: <message>`, on stderr and exits with 2, as argparse does for a malformed flag.
-Ctrl-C exits with 130 and one line, `interrupted` (and where partial results are, if any); a
-second Ctrl-C while the process ends is ignored. A reader that stops reading (`| head`) ends the
-command quietly with 0, as for `head`-style pipelines; a closed stdout or stderr is read as
-/dev/null. Anything else is a bug in minikv: one line naming the exception, exit 1.
+Ctrl-C exits with 130 and one line, `interrupted` (and where partial results are, if any); SIGTERM
+(what `timeout`, `kill`, schedulers and container runtimes send) does the same with `terminated`
+and 143 (128 + the signal's number, as a shell reports it); a second signal while the process
+ends is ignored. A reader that stops reading (`| head`) ends the command quietly with 0, as for
+`head`-style pipelines; a closed stdout or stderr is read as /dev/null. Anything else is a bug:
+in a plugin when its code raised it (minikv.plugins.culprit: one line naming the policy, its
+module and the line, exit 2), else in minikv (one line naming the exception, exit 1).
 MINIKV_TRACEBACK=1 in the environment shows the full traceback instead, for any of them.
 """
 from __future__ import annotations
@@ -51,10 +54,17 @@ def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+SIGNALS = (signal.SIGINT, signal.SIGTERM)  # both end a command the same way: what it has kept, one line
+_received = []  # the signal that raised the KeyboardInterrupt being handled (none: a KeyboardInterrupt of Python's)
+
+
 def interrupted(where: str = "") -> int:
-    """After a Ctrl-C: one line on stderr (`where`: what was kept, where). Returns 130."""
-    say(f"interrupted: {where}" if where else "interrupted")
-    return 130
+    """After a Ctrl-C or SIGTERM: one line on stderr (`where`: what was kept, where). Returns the
+    exit code: 130 after SIGINT, 143 after SIGTERM."""
+    signum = _received[-1] if _received else signal.SIGINT
+    word = "terminated" if signum == signal.SIGTERM else "interrupted"
+    say(f"{word}: {where}" if where else word)
+    return 128 + signum
 
 
 def _reopen_closed_streams() -> None:
@@ -77,29 +87,35 @@ def _reader_gone() -> int:
 
 
 def _first_interrupt(signum, frame):
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the process is ending: a second Ctrl-C must not interrupt that
+    for sig in SIGNALS:  # the process is ending: a second Ctrl-C or SIGTERM must not interrupt that
+        signal.signal(sig, signal.SIG_IGN)
+    _received.append(signum)
     raise KeyboardInterrupt
 
 
-def _interrupt_once():
-    """From here on, the first Ctrl-C raises KeyboardInterrupt (the command keeps what it has and
-    says so in one line) and the ones after it are ignored. Before here, while `python -m
-    minikv....` imports torch, minikv/__init__.py ends the process with one line. Returns the
-    handler it replaced (None: none replaced)."""
+def _interrupt_once() -> dict:
+    """From here on, the first Ctrl-C or SIGTERM raises KeyboardInterrupt (the command keeps what
+    it has and says so in one line) and the signals after it are ignored. Before here, while
+    `python -m minikv....` imports torch, minikv/__init__.py ends the process with one line on
+    either. Returns the handlers it replaced, by signal."""
     if threading.current_thread() is not threading.main_thread():
-        return None
-    previous = signal.getsignal(signal.SIGINT)
-    if previous is signal.SIG_IGN:  # started in the background of a shell: Ctrl-C is not ours
-        return None
-    signal.signal(signal.SIGINT, _first_interrupt)
-    return previous
+        return {}
+    replaced = {}
+    for sig in SIGNALS:
+        previous = signal.getsignal(sig)
+        if previous is signal.SIG_IGN:  # started in the background of a shell (SIGINT), or nohup'd: not ours
+            continue
+        signal.signal(sig, _first_interrupt)
+        replaced[sig] = previous
+    return replaced
 
 
-def _restore_interrupt(previous) -> None:
-    """The handler before run_command (under `python -m`, minikv/__init__.py's one line, which
-    holds while the interpreter exits), unless a Ctrl-C came: then the process is ending."""
-    if previous is not None and signal.getsignal(signal.SIGINT) is _first_interrupt:
-        signal.signal(signal.SIGINT, previous)
+def _restore_interrupt(replaced: dict) -> None:
+    """The handlers before run_command (under `python -m`, minikv/__init__.py's one line, which
+    holds while the interpreter exits), unless a signal came: then the process is ending."""
+    for sig, previous in replaced.items():
+        if previous is not None and signal.getsignal(sig) is _first_interrupt:
+            signal.signal(sig, previous)
 
 
 def stdout_reader_gone():
@@ -128,6 +144,7 @@ def run_command(main, argv=None) -> int:
     """Run main(argv) and map what it raises to one line on stderr and an exit code."""
     warnings.formatwarning = _one_line_warning  # a command's warnings are one line too, like its errors
     show_traceback = os.environ.get("MINIKV_TRACEBACK", "0") not in ("", "0")
+    _received.clear()
     previous = _interrupt_once()
     _reopen_closed_streams()
     try:
@@ -153,6 +170,13 @@ def run_command(main, argv=None) -> int:
     except Exception as err:  # noqa: BLE001  (a bug: say what, keep it to one line)
         if show_traceback:
             raise
+        from .plugins import culprit
+
+        who = culprit(err)
+        if who:  # a bug in a plugin's code, not in minikv's: say whose
+            say(f"error: {who} raised {type(err).__name__}: {one_line(err)} "
+                "(a bug in that plugin, not in minikv; MINIKV_TRACEBACK=1 shows where)")
+            return 2
         say(f"error: internal error, {type(err).__name__}: {one_line(err)} "
             "(this is a bug in minikv; MINIKV_TRACEBACK=1 shows where)")
         return 1

@@ -10,8 +10,10 @@ each tensor as it is dequantized, so one float32 tensor is in memory at a time, 
 The cache (~/.cache/minikv, or $MINIKV_CACHE) is keyed by the file's path, size, mtime and a
 hash of its header and tensor index, so a file replaced in place is imported again. A
 directory is built under a `tempfile.mkdtemp` name, fsynced, stamped with a completion marker
-written last, and renamed into place; reuse checks the marker. Temporary directories left by a
-killed import are swept by the next one.
+written last, and renamed into place; reuse checks the marker and the size of every file it
+lists (a file truncated or replaced since is imported again). Temporary directories left by a
+killed import are swept by the next one. An entry that is a symbolic link (to a folder of one's
+own) is used through the link, and replaced by a real folder when it needs importing again.
 """
 from __future__ import annotations
 
@@ -42,10 +44,24 @@ STALE_AFTER_S = 3600  # a temporary directory nothing was written to for this lo
 def cache_dir() -> Path:
     root = os.environ.get("MINIKV_CACHE")
     path = Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "minikv"
+    if path.is_symlink() and not path.exists():  # exists() follows the link: it dangles, or loops
+        raise ValueError(f"the model cache {path} is a symbolic link to {os.readlink(path)}, which "
+                         f"{'loops' if _loops(path) else 'does not exist'}; "
+                         f"{'point MINIKV_CACHE at' if root else 'remove it, or set MINIKV_CACHE to'} a directory")
     if path.exists() and not path.is_dir():
         raise ValueError(f"the model cache {path} is a file, not a directory; "
                          f"{'point MINIKV_CACHE at' if root else 'move it, or set MINIKV_CACHE to'} a directory")
     return path
+
+
+def _loops(path: Path) -> bool:
+    try:
+        path.resolve(strict=True)
+    except RuntimeError:  # Python < 3.13: "Symlink loop"
+        return True
+    except OSError as err:
+        return err.errno == errno.ELOOP
+    return False
 
 
 def cache_write_error(err: OSError, where: Path) -> OSError:
@@ -92,10 +108,21 @@ def source_stamp(path: Path, header: GGUFHeader) -> dict:
 
 
 def is_complete(out_dir: Path, stamp: dict) -> bool:
+    """The marker says the entry was made from what `stamp` describes, and every file it lists
+    still has the size it had when the import finished (entries made before the marker listed
+    files are trusted on the stamp alone)."""
     try:
-        return json.loads((out_dir / MARKER).read_text()) == stamp
-    except (OSError, ValueError):
+        marker = json.loads((out_dir / MARKER).read_text())
+        files = marker.pop("files", {})
+        return marker == stamp and all((out_dir / name).stat().st_size == size for name, size in files.items())
+    except (OSError, ValueError, AttributeError, TypeError):
         return False
+
+
+def _marker(tmp: Path, stamp: dict) -> str:
+    """The completion marker: the stamp, and the size of every file it vouches for."""
+    files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.name not in (MARKER, OWNER)}
+    return json.dumps({**stamp, "files": files})
 
 
 def _owner() -> str:
@@ -170,11 +197,13 @@ def _write_import(reader, path: Path, cfg: dict, shapes: dict, stamp: dict, out_
         (tmp / OWNER).write_text(_owner())
         _convert(reader, path, cfg, shapes, tmp, progress)
         (tmp / OWNER).unlink()
-        (tmp / MARKER).write_text(json.dumps(stamp))
+        (tmp / MARKER).write_text(_marker(tmp, stamp))  # last: a directory without it is no import
         for file in tmp.iterdir():
             _fsync(file)
         _fsync(tmp)
-        if out_dir.exists() and not is_complete(out_dir, stamp):
+        if out_dir.is_symlink():  # a link to someone's folder: replaced by ours, the folder left alone
+            out_dir.unlink()
+        elif out_dir.exists() and not is_complete(out_dir, stamp):
             shutil.rmtree(out_dir)  # an import of what the file held before, or unfinished
         try:
             tmp.rename(out_dir)  # atomic: a crash mid-import never leaves a half-written cache behind

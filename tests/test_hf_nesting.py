@@ -85,3 +85,47 @@ def test_gpt_neox_with_an_unused_num_key_value_heads_runs():
         out = hf.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)
     assert torch.equal(out, plain)
     assert run.policy.cfg.n_kv_heads == 4
+
+
+# -- issue 52: a Policy object in a second block; models without decoder attention -------------------
+
+
+def test_a_policy_object_serves_a_second_block_as_minikv_generate_rebinds_it(tiny_llama):
+    import minikv.hf
+    from minikv.policies import make
+
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45]])
+    policy = make(INNER)
+    with minikv.hf.policy(tiny_llama, policy) as run:
+        first = gen(tiny_llama, ids)
+    used = run.stats()["device_tokens_peak"]
+    with minikv.hf.policy(tiny_llama, policy) as run:  # bound by the first block: bound again here
+        second = gen(tiny_llama, ids)
+        assert gen(tiny_llama, ids).tolist() == first.tolist()  # and again within the block
+    assert second.tolist() == first.tolist() == alone(tiny_llama, ids, INNER)[0].tolist()
+    assert run.stats()["device_tokens_peak"] == used and run.policy is policy
+
+
+def tiny(kind):
+    from transformers import MambaConfig, MambaForCausalLM, T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    if kind == "mamba":
+        return MambaForCausalLM(MambaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, state_size=4)).eval()
+    return T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_ff=32, d_kv=8, num_layers=1,
+                                               num_heads=2)).eval()
+
+
+@pytest.mark.parametrize("kind, says", [("mamba", "mamba has no attention layers"),
+                                        ("t5", "t5 is an encoder-decoder model")])
+def test_a_model_without_decoder_attention_is_a_value_error_that_says_why(kind, says):
+    import minikv.hf
+
+    model = tiny(kind)
+    before = (model.config._attn_implementation, vars(model).keys() - {"_minikv_cache"})
+    with pytest.raises(ValueError, match=f"^minikv.hf: {says}"):
+        with minikv.hf.policy(model, "full"):
+            pass
+    with pytest.raises(ValueError, match=f"^minikv.hf: {says}"):
+        minikv.hf.cache(model, "full", max_new_tokens=4)
+    assert (model.config._attn_implementation, vars(model).keys() - {"_minikv_cache"}) == before  # left as it was

@@ -3,6 +3,7 @@ commands (imported before the flags are parsed: the policy is in --help and --po
 entry-point group minikv.policies, and one line with exit code 2 for a module that fails."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -126,3 +127,134 @@ def test_register_policy_refuses_what_it_cannot_register():
     with pytest.raises(ValueError, match="must be a word"):
         minikv.register_policy(Spaced)
     assert _REGISTRY["streaming"].__module__ == "minikv.policies.streaming" and "two words" not in _REGISTRY
+
+
+# -- a file or directory by path: a namespace of its own (issue 52) ---------------------------------
+
+
+@pytest.mark.parametrize("stem", ["random", "json"])
+def test_a_plugin_file_named_as_a_stdlib_module_shadows_nothing(tmp_path, stem):
+    """p/random.py (a natural name for a random-eviction baseline) is imported as
+    minikv_plugins.random: the standard library's random stays what every later import gets."""
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / f"{stem}.py").write_text(MODULE)
+    out = command("-m", "minikv.generate", "--import", f"p/{stem}.py", "--policy", "everything_plugin",
+                  "--prompt", "Hello", "--max-new-tokens", "2", "--json", "--threads", "1", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert '"policy": "everything_plugin"' in out.stdout
+
+
+def test_a_path_is_imported_under_minikv_plugins(plugin_dir):
+    import json
+    import random
+
+    import minikv.plugins
+
+    (plugin_dir / "json.py").write_text(MODULE)
+    module = minikv.plugins.import_module(str(plugin_dir / "json.py"))
+    try:
+        assert module.__name__ == "minikv_plugins.json" and sys.modules["json"] is json
+        assert _REGISTRY["everything_plugin"].__module__ == "minikv_plugins.json"
+        assert minikv.plugins.import_module(str(plugin_dir / "json.py")) is module  # twice: once
+        other = plugin_dir / "other"
+        other.mkdir()
+        (other / "json.py").write_text("X = 1\n")
+        second = minikv.plugins.import_module(str(other / "json.py"))  # same stem, another file
+        assert second.__name__ == "minikv_plugins.json_2" and second.X == 1
+        assert sys.modules["random"] is random
+    finally:
+        for name in ("minikv_plugins.json", "minikv_plugins.json_2"):
+            sys.modules.pop(name, None)
+
+
+def test_a_package_directory_is_imported_and_a_bad_path_is_one_line(plugin_dir, capsys):
+    pkg = plugin_dir / "pkgdir"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from .impl import *  # noqa\n")
+    (pkg / "impl.py").write_text(MODULE)
+    (plugin_dir / "plain").mkdir()
+    (plugin_dir / "notes.txt").write_text("")
+    try:
+        assert bench_main(["--check", "compare", "--import", "./pkgdir/", "--policy", "everything_plugin",
+                           "--preset", "smoke"]) == 0
+        assert sys.modules["minikv_plugins.pkgdir"].__path__ == [str(pkg)]
+    finally:
+        sys.modules.pop("minikv_plugins.pkgdir", None)
+        sys.modules.pop("minikv_plugins.pkgdir.impl", None)
+    capsys.readouterr()
+    for path, says in [("./plain", "error: --import ./plain: FileNotFoundError: directory plain has no __init__.py"),
+                       ("notes.txt", "error: --import notes.txt: ValueError: notes.txt is not a .py file"),
+                       ("./nowhere", "error: --import ./nowhere: FileNotFoundError: no such file: nowhere")]:
+        assert generate_main(["--prompt", "x", "--import", path]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(says) and err.count("\n") == 1, err
+
+
+# -- a plugin's bug is the plugin's: named, and what was generated kept (issue 52) ---------------------
+
+BOOM = '''
+from dataclasses import dataclass
+
+import torch
+
+import minikv
+from minikv.policies.full import Full, FullLayer
+
+
+class BoomLayer(FullLayer):
+    def decode(self, q, k, v, positions):
+        if self.policy.steps == 4:
+            raise RuntimeError("kaboom")
+        return super().decode(q, k, v, positions)
+
+
+@minikv.register_policy
+@dataclass(eq=False, kw_only=True)
+class Boom(Full):
+    """Full KV whose decode fails after four tokens (the prefill's and three decoded)."""
+
+    name = "boom"
+
+    def make_layer(self, index):
+        return BoomLayer(self, index)
+
+
+@minikv.register_policy
+@dataclass(eq=False, kw_only=True)
+class Holding(Full):
+    """Full KV whose stats() hold a tensor."""
+
+    name = "holding"
+
+    def stats(self):
+        return {**super().stats(), "probe": torch.ones(2)}
+'''
+
+
+def test_a_plugin_failing_mid_generation_is_named_and_the_text_kept(tmp_path):
+    (tmp_path / "boom.py").write_text(BOOM)
+    out = command("-m", "minikv.generate", "--import", "boom.py", "--policy", "boom", "--prompt", "Tell me a story",
+                  "--max-new-tokens", "20", "--ignore-eos", "--threads", "1", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    line = next(i for i, ln in enumerate(BOOM.splitlines(), 1) if "kaboom" in ln)
+    assert out.stderr == (f"error: policy 'boom' (module minikv_plugins.boom, {tmp_path / 'boom.py'} line {line}) "
+                          "raised RuntimeError: kaboom (a bug in that plugin, not in minikv; MINIKV_TRACEBACK=1 "
+                          "shows where)\n")
+    assert out.stdout.endswith("\n") and len(out.stdout.strip()) > 5  # the tokens before it, on their own line
+    out = command("-m", "minikv.generate", "--import", "boom.py", "--policy", "boom", "--prompt", "Tell me a story",
+                  "--max-new-tokens", "20", "--ignore-eos", "--threads", "1", "--json", cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.startswith("error: policy 'boom' (module minikv_plugins.boom")
+    result = json.loads(out.stdout)
+    assert result["stats"]["error"] == "RuntimeError: kaboom" and len(result["token_ids"]) == 4 and result["text"]
+
+
+def test_a_plugin_stats_json_cannot_hold_is_named_and_the_text_kept(tmp_path):
+    (tmp_path / "boom.py").write_text(BOOM)
+    out = command("-m", "minikv.generate", "--import", "boom.py", "--policy", "holding", "--prompt", "Hi",
+                  "--max-new-tokens", "3", "--ignore-eos", "--threads", "1", "--json", cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr == ("error: policy 'holding' (module minikv_plugins.boom): stats() gave 'probe', a Tensor, "
+                          "which JSON cannot hold (give numbers, strings, lists or dicts); the text is printed above "
+                          "with null for it\n")
+    result = json.loads(out.stdout)
+    assert result["stats"]["probe"] is None and len(result["token_ids"]) == 3 and result["stats"]["new_tokens"] == 3

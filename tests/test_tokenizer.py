@@ -17,7 +17,6 @@ import shutil
 import unicodedata
 from pathlib import Path
 
-import jinja2
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -133,7 +132,7 @@ def test_chat_template_equals_hugging_face(toks, name):
 
 def test_chat_template_errors(toks, tmp_path):
     tok, _ = get(toks, "sp-llama")
-    with pytest.raises(jinja2.TemplateError, match="alternate"):  # the template's raise_exception
+    with pytest.raises(ValueError, match="^chat template of .*alternate"):  # the template's raise_exception
         tok.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
     (tmp_path / "tokenizer.json").write_bytes((REF / "bpe-qwen2" / "tokenizer.json").read_bytes())
     with pytest.raises(ValueError, match="no chat template"):

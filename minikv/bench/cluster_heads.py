@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from ..atomic import atomic_write
 from ..cli import dumps
 from ..generate import generate
 from ..kernels.attention_topk import attention_topk
@@ -177,8 +178,7 @@ def run(args) -> int:
               "steps": args.steps, "topk": args.topk}
     doc = make_document(cfg, name=str(args.model), weights=weights_sha256(model_dir),
                         S=S, corpus=corpus, seed=args.seed, n_rs=args.n_r)
-    with open(args.out, "w") as f:
-        f.write(dumps(doc, indent=1) + "\n")
+    atomic_write(args.out, dumps(doc, indent=1) + "\n")
     print_summary(S, doc)
     print_observations(probe.observations(), args)
     print(f"\nwrote {args.out}")

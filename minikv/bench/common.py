@@ -74,9 +74,10 @@ def environment() -> dict:
 
 
 def write_json(path: str | None, payload: dict) -> None:
-    """Strict JSON (minikv.cli.dumps: NaN and infinities as null)."""
+    """Strict JSON (minikv.cli.dumps: NaN and infinities as null), written atomically: a failed
+    write leaves the previous file whole."""
+    from ..atomic import atomic_write
     from ..cli import dumps
 
     if path:
-        with open(path, "w") as f:
-            f.write(dumps({**payload, "environment": environment()}, indent=2))
+        atomic_write(path, dumps({**payload, "environment": environment()}, indent=2))

@@ -36,6 +36,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..atomic import atomic_write
 from ..cli import dumps, interrupted
 
 from ..policies import available, make
@@ -113,19 +114,25 @@ def run_compare(model, tok, args, settings: dict) -> dict:
                  for t in settings["tasks"] if t != "long" for h in task_haystacks(t, settings["haystacks"])
                  for s in settings["seeds"]]
     long_ids = text_ids(tok, settings["long_prompt"] + settings["long_steps"]) if "long" in settings["tasks"] else None
-    result = {"benchmark": "compare", "model": args.model, "settings": settings,
+    # "complete": false until every prompt and the long pass ran: a file saved on the way (or left
+    # by an interrupted run) says it is partial, and --from renders it as such
+    result = {"benchmark": "compare", "model": args.model, "settings": settings, "complete": False,
               "rows": [{"source": "minikv", **cfg, "error": None} for cfg in cfgs], "oracle": {},
               "machine": machine()}
     saves = []
 
     def saved():  # partial results survive a crash, prompt by prompt
-        save(result, args)
+        try:
+            save(result, args)
+        except OSError as err:  # a full disk: the last save is whole (atomic), say so
+            raise type(err)(err.errno, f"{err.strerror}; {where_saved(args, bool(saves), 'before it')}") from None
         saves.append(True)
 
     try:
         run_rows(model, tok, result, instances, long_ids, settings["long_prompt"], saved=saved)
     except KeyboardInterrupt:
         raise KeyboardInterrupt(where_saved(args, bool(saves))) from None
+    result["complete"] = True
     if all(row["error"] for row in result["rows"]):
         raise ValueError(f"no row ran, every policy failed (first: {result['rows'][0]['spec']}, "
                          f"{result['rows'][0]['error']})")
@@ -149,20 +156,20 @@ def saved_paths(args) -> list[str]:
     return ([str(Path(args.out) / "compare.json")] if args.out else []) + ([args.json] if args.json else [])
 
 
-def where_saved(args, any_saved: bool) -> str:
-    """For the line an interrupt prints: where the rows measured so far are."""
+def where_saved(args, any_saved: bool, when: str = "so far") -> str:
+    """For the line an interrupt (or a failed save) prints: where the rows measured so far are."""
     if not saved_paths(args):
         return "nothing was saved: --out DIR keeps the rows as they are measured"
     if not any_saved:
         return "no prompt was finished, nothing was saved"
-    return f"the rows measured so far are in {' and '.join(saved_paths(args))}"
+    return f"the rows measured {when} are in {' and '.join(saved_paths(args))}"
 
 
 def save(result: dict, args) -> None:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
     for path in saved_paths(args):
-        Path(path).write_text(dumps(result, indent=1))
+        atomic_write(path, dumps(result, indent=1))  # a failed save leaves the last one whole
 
 
 def load_rows(path: str) -> dict:
@@ -172,6 +179,13 @@ def load_rows(path: str) -> dict:
         raise ValueError(f"cannot read {path}: {e}") from e
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
         raise ValueError(f"{path} is not a compare JSON (no 'rows' list)")
+    for i, row in enumerate(data["rows"]):
+        if not isinstance(row, dict) or not isinstance(row.get("policy"), str):
+            raise ValueError(f"{path} is not a compare JSON: row {i} is {str(row)[:60]}, not an object with a "
+                             "'policy' name")
+    for key in ("settings", "oracle", "machine"):
+        if not isinstance(data.get(key, {}), dict):
+            raise ValueError(f"{path} is not a compare JSON: '{key}' is not an object")
     return data
 
 
@@ -220,6 +234,8 @@ def run(args) -> int:
         for path in args.include:
             extra = load_rows(path)
             merge(result, extra, path)
+            if extra.get("complete") is False:  # a partial run merged in: the whole is partial
+                result["complete"] = False
             result.setdefault("included", []).append({"file": path, "machine": extra.get("machine"),
                                                       "settings": extra.get("settings"),
                                                       "wall_s": extra.get("wall_s")})
@@ -233,6 +249,6 @@ def run(args) -> int:
     print(text)
     save(result, args)
     if args.out:
-        (Path(args.out) / "compare.md").write_text(text)
+        atomic_write(Path(args.out) / "compare.md", text)
         figures(result, Path(args.out))
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..atomic import atomic_open
 from .compare_report import budget_cell, label, row_budget
 
 
@@ -132,6 +133,7 @@ def _legend(ax) -> None:
 
 def _save(fig, path: Path, plt) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    with atomic_open(path, "wb") as f:  # a failed write leaves the previous figure whole
+        fig.savefig(f, format=path.suffix[1:], dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path

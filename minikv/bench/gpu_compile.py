@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 
+from minikv.atomic import atomic_write
 from minikv.kernels import launch as configs
 
 from .gpu_cases import CASES, DTYPES, GEOMETRIES, PAGE, Meta, fused_module
@@ -214,8 +215,7 @@ def main(argv=None) -> int:
         args.kernel or sorted(CASES), args.geometry or list(GEOMETRIES), args.dtype or list(DTYPES),
         args.arch or [80, 90], args.context))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows}, f, indent=1)
+        atomic_write(args.json, json.dumps({"rows": rows}, indent=1))
     bad = [r for r in rows if not r["ok"]]
     print("\n" + summary(rows) + "\n")
     print(f"{len(rows)} compiled, {len(bad)} failed or over shared memory, "

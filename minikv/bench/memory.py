@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import statistics
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 
+from ..atomic import atomic_open, atomic_write
 from ..cli import dumps
 from ..generate import generate
 from ..loading import load
@@ -107,7 +109,8 @@ def plot(rows, path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format=Path(path).suffix[1:] or "png", dpi=120)
     plt.close(fig)
 
 
@@ -166,6 +169,6 @@ def run(args) -> int:
         plot(rows, args.png)
         print(f"wrote {args.png}")
     if args.json:
-        with open(args.json, "w") as f:
-            f.write(dumps(dict(rows=rows, relevance=stats, new_tokens=args.new_tokens, prompt=args.prompt), indent=1))
+        atomic_write(args.json, dumps(dict(rows=rows, relevance=stats, new_tokens=args.new_tokens, prompt=args.prompt),
+                                      indent=1))
     return 0

@@ -84,21 +84,13 @@ def check(args) -> None:
         make(spec)
 
 
-def run(args) -> int:
-    check(args)
-    model, tok = load_model(args)
-    N, C = args.tokens, args.context
-    ids = torch.tensor([text_ids(tok, N)], device=model.device)  # (1, N)
-    named = [(spec, spec) for spec in args.policy] if args.policy else default_policies(C)
-    policies = [make(spec).bind(model.cfg, device=model.device, dtype=model.dtype, max_len=N) for _, spec in named]
-    nlls = [[0.0] * (N - 1) for _ in named]  # nlls[i][t]: -log p(token t + 1 | stream up to t)
-    times = [[0.0] * (N - 1) for _ in named]  # times[i][t]: seconds of the forward that fed token t
-    sub = list(range(args.baseline_every - 1, N - 1, args.baseline_every)) if args.baseline_every else []
-    base_nll, base_times = {}, []
+def score_stream(model, ids, policies, nlls, times, sub, base_nll, base_times, C: int, bar, scored: list) -> None:
+    """Feed ids one token at a time to every policy: nlls[i][t], times[i][t] per token, and the
+    window-recompute baseline at the positions of `sub`; scored[0] counts the tokens every policy
+    scored (what an interrupt keeps)."""
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     zero = torch.zeros(1, dtype=torch.long, device=model.device)
-    bar = progress_bar(total=N - 1, desc="ppl", unit="tok", mininterval=1.0 if sys.stderr.isatty() else 30.0)
-    for t in range(N - 1):
+    for t in range(ids.shape[1] - 1):
         pos = torch.tensor([[t]], device=model.device)
         for i, policy in enumerate(policies):
             t0 = time.perf_counter()
@@ -113,8 +105,36 @@ def run(args) -> int:
             sync()
             base_times.append(time.perf_counter() - t0)
             base_nll[t] = nll_of(logits, int(ids[0, t + 1]))
+        scored[0] = t + 1
         bar.update(1)
+
+
+def run(args) -> int:
+    check(args)
+    model, tok = load_model(args)
+    N, C = args.tokens, args.context
+    ids = torch.tensor([text_ids(tok, N)], device=model.device)  # (1, N)
+    named = [(spec, spec) for spec in args.policy] if args.policy else default_policies(C)
+    policies = [make(spec).bind(model.cfg, device=model.device, dtype=model.dtype, max_len=N) for _, spec in named]
+    nlls = [[0.0] * (N - 1) for _ in named]  # nlls[i][t]: -log p(token t + 1 | stream up to t)
+    times = [[0.0] * (N - 1) for _ in named]  # times[i][t]: seconds of the forward that fed token t
+    sub = list(range(args.baseline_every - 1, N - 1, args.baseline_every)) if args.baseline_every else []
+    base_nll, base_times, scored = {}, [], [0]
+    bar = progress_bar(total=N - 1, desc="ppl", unit="tok", mininterval=1.0 if sys.stderr.isatty() else 30.0)
+    try:
+        score_stream(model, ids, policies, nlls, times, sub, base_nll, base_times, C, bar, scored)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep the tokens every policy scored
+        done = scored[0]
+        if done < 2:
+            raise KeyboardInterrupt("fewer than two tokens were scored, nothing was kept") from None
+        nlls, times = [n[:done] for n in nlls], [ts[:done] for ts in times]
+        sub = [t for t in sub if t < done]
+        base_nll, base_times = {t: base_nll[t] for t in sub}, base_times[:len(sub)]
     bar.close()
+    interrupted = len(nlls[0]) < N - 1
+    if interrupted:
+        N = len(nlls[0]) + 1
+        print(f"stopped: the table holds the first {N - 1} tokens scored", file=sys.stderr)
 
     def tpot(ts, at=None):
         steps = ts[1:] if at is None else ts[max(1, at - args.tpot_span):min(at, len(ts))]
@@ -139,7 +159,7 @@ def run(args) -> int:
                      "ppl_sub": ppl(base_nll, sorted(base_nll)), "tpot_s": sum(base_times) / len(base_times),
                      "kv_mb": kv_bytes / 2**20, "peak_tokens": C})
     for r in rows:
-        r["tpot_x_full"] = r["tpot_s"] / rows[0]["tpot_s"]  # this / full: below 1 is faster
+        r["tpot_x_full"] = r["tpot_s"] / rows[0]["tpot_s"] if r["tpot_s"] and rows[0]["tpot_s"] else None
         for key in [k for k in r if k.endswith("_s") and r[k] is not None and k != "step_times_s"]:
             r[key.replace("_s", "_ms")] = 1000 * r[key]
 
@@ -150,5 +170,9 @@ def run(args) -> int:
     columns += [(f"TPOT@{at} ms", f"tpot_at_{at}_ms", ".1f") for at in args.tpot_at]
     print_table(rows, columns, title=f"{args.model}, {N} tokens of pydoc_data.topics, one token per step, C = {C}")
     write_json(args.json, {"benchmark": "ppl", "model": args.model, "tokens": N, "context": C,
-                           "baseline_every": args.baseline_every, "baseline_positions": sub, "rows": rows})
+                           "baseline_every": args.baseline_every, "baseline_positions": sub, "rows": rows,
+                           "complete": not interrupted})
+    if interrupted:
+        raise KeyboardInterrupt(f"the {N - 1} tokens scored are in the table above"
+                                + (f" and in {args.json}" if args.json else ""))
     return 0

@@ -257,22 +257,27 @@ def run(args) -> int:
     model, tokenizer = load_model(args)
     read_bw = measure_read_bandwidth(model.device)
     print(f"read bandwidth: {read_bw / 1e9:.1f} GB/s (large-tensor sum, median of 5)", file=sys.stderr)
-    rows = []
+    rows, stopped = [], False
     for n in args.prompt_lengths:
         ids = text_ids(tokenizer, n)
-        if args.lockstep:
-            print(f"prompt {n}: lockstep", file=sys.stderr)
-            found = lockstep_runs(model, ids, policies, args.new_tokens, args.warmup, args.prefill_threads)
-            runs = {policy: [found[policy]] for policy in policies}
-        else:
-            runs = {policy: [] for policy in policies}
-            # policies take turns, run by run, so that a noisy shared machine slows them alike
-            for i in range(args.warmup + args.repeats):
-                for policy in policies:
-                    print(f"prompt {n}, round {i + 1}/{args.warmup + args.repeats}: {policy}", file=sys.stderr)
-                    stats = timed_generate(model, tokenizer, ids, policy, args.new_tokens)
-                    if i >= args.warmup:
-                        runs[policy].append(stats)
+        runs = {policy: [] for policy in policies}
+        try:
+            if args.lockstep:
+                print(f"prompt {n}: lockstep", file=sys.stderr)
+                found = lockstep_runs(model, ids, policies, args.new_tokens, args.warmup, args.prefill_threads)
+                runs = {policy: [found[policy]] for policy in policies}
+            else:
+                # policies take turns, run by run, so that a noisy shared machine slows them alike
+                for i in range(args.warmup + args.repeats):
+                    for policy in policies:
+                        print(f"prompt {n}, round {i + 1}/{args.warmup + args.repeats}: {policy}", file=sys.stderr)
+                        stats = timed_generate(model, tokenizer, ids, policy, args.new_tokens)
+                        if i >= args.warmup:
+                            runs[policy].append(stats)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep the rounds every policy finished
+            stopped = True
+            if not all(runs.values()):
+                break
         cells = []
         for policy in policies:
             row = {"policy": policy, "prompt_tokens": n, **summarize(runs[policy], args.new_tokens)}
@@ -286,6 +291,10 @@ def run(args) -> int:
         for row in cells:
             row["tpot_vs_base"] = row["tpot_s"] / same_threads_baseline(cells, row, base)["tpot_s"]
         rows += cells
+        if stopped:
+            break
+    if stopped and not rows:
+        raise KeyboardInterrupt("no round was finished by every policy, nothing was kept")
     print_table(rows, [("policy", "policy", ""), ("prompt", "prompt_tokens", "d"), ("threads", "threads", "d"),
                        ("TTFT s", "ttft_s", ".3f"), ("TPOT ms", "tpot_ms", ".2f"),
                        (f"TPOT x full on as many threads, else x {base} (lower is better)", "tpot_vs_base", ".2f"),
@@ -299,7 +308,11 @@ def run(args) -> int:
                      base=base)
     write_json(args.json, {"benchmark": "speed", "model": args.model, "new_tokens": args.new_tokens,
                            "baseline": base, "read_bandwidth_gb_s": read_bw / 1e9,
-                           "compiled": getattr(model, "compiled", None) is not None, "rows": rows})
+                           "compiled": getattr(model, "compiled", None) is not None, "rows": rows,
+                           "complete": not stopped})
+    if stopped:
+        raise KeyboardInterrupt("the rounds every policy finished are in the table above"
+                                + (f" and in {args.json}" if args.json else ""))
     return 0
 
 

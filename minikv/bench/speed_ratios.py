@@ -4,6 +4,9 @@ and the figure that plots them against the prompt length (full KV the 1.0 line).
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+
+from ..atomic import atomic_open
 
 
 def split_threads(spec: str, default: int) -> tuple[str, int]:
@@ -73,6 +76,7 @@ def plot_context(rows: list[dict], policies: list[str], path: str, title: str, b
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format=Path(path).suffix[1:] or "png", dpi=120)
     plt.close(fig)
     print(f"wrote {path}", file=sys.stderr)

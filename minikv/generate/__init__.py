@@ -20,6 +20,7 @@ import torch
 
 from ..policies import Policy, make
 from ..policies.worker import thread_counts
+from ..tokenizer.base import user_turn
 from .timing import decode_bandwidth, measure_read_bandwidth, synchronize, weight_bytes_per_step  # noqa: F401
 
 
@@ -165,7 +166,13 @@ def is_batch(prompt) -> bool:
     return isinstance(first, (str, bytes, list, tuple)) or (isinstance(first, torch.Tensor) and first.dim() > 0)
 
 
-def encode_prompt(tokenizer, prompt, chat: bool, vocab_size: int) -> list[int]:
+SPECIAL_TEXT = ("tokens", "literal")
+
+
+def encode_prompt(tokenizer, prompt, chat: bool, vocab_size: int, special_text: str = "tokens") -> list[int]:
+    """A prompt's ids. special_text: what special-token text in a str prompt ("<|im_end|>",
+    "<s>") becomes: "tokens", those special tokens (as transformers encodes), or "literal", plain
+    text, so that text from someone else cannot end the user's turn and forge a system turn."""
     if isinstance(prompt, (bytes, bytearray, memoryview)):  # iterating bytes gives ints: garbage ids
         raise ValueError("a prompt is a str or a list of token ids, got bytes: decode them first "
                          "(prompt.decode('utf-8'))")
@@ -176,10 +183,16 @@ def encode_prompt(tokenizer, prompt, chat: bool, vocab_size: int) -> list[int]:
             prompt.encode("utf-8")
         except UnicodeEncodeError as err:
             raise ValueError(f"the prompt is not UTF-8 text: character {err.start} is a lone surrogate") from None
+        if special_text not in SPECIAL_TEXT:
+            raise ValueError(f"special_text is 'tokens' or 'literal', got {special_text!r}")
+        literal = special_text == "literal"
+        if chat and literal:
+            text, span = user_turn(tokenizer, prompt)
+            return tokenizer.encode(text, add_bos=False, literal=span)
         if chat:
             text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
             return tokenizer.encode(text, add_bos=False)
-        return tokenizer.encode(prompt)
+        return tokenizer.encode(prompt, literal=(0, len(prompt)) if literal else None)
     try:
         ids = [operator.index(t) for t in prompt]  # ints, numpy and 0-d tensor ints; not 1.5 or "7"
     except TypeError:
@@ -196,7 +209,7 @@ def encode_prompt(tokenizer, prompt, chat: bool, vocab_size: int) -> list[int]:
 
 def generate(model, tokenizer, prompt, policy="full", max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-             chat: bool = False, stop_at_eos: bool = True, on_token=None, progress=None):
+             chat: bool = False, stop_at_eos: bool = True, on_token=None, progress=None, special_text: str = "tokens"):
     """Generate from one prompt (a string or token ids) or a batch (a list of them).
 
     One prompt: a GenerationResult whose `stats` hold the run's timing, the policy's KV numbers
@@ -207,7 +220,8 @@ def generate(model, tokenizer, prompt, policy="full", max_new_tokens: int = DEFA
     time: a second one while it runs (another thread) is refused with a RuntimeError; give each
     thread its own (a spec string, or minikv.make_policy). on_token(row, id) is called as tokens are
     produced (a negative id -n means: take back the last n tokens). progress(done, total) is
-    called during the prefill, in prompt tokens (see tokens_progress).
+    called during the prefill, in prompt tokens (see tokens_progress). special_text="literal"
+    keeps special-token text in a str prompt as text (encode_prompt): for text from others.
     """
     check_sampling(temperature, top_k, top_p)
     max_new_tokens = as_int("max_new_tokens", max_new_tokens, 1)
@@ -215,16 +229,16 @@ def generate(model, tokenizer, prompt, policy="full", max_new_tokens: int = DEFA
     batched = is_batch(prompt)
     policy = make(policy) if isinstance(policy, str) else policy  # a bad spec fails before tokenizing
     vocab = model.cfg.vocab_size
-    prompts = ([batch_prompt(tokenizer, p, i, chat, vocab) for i, p in enumerate(prompt)] if batched
-               else [encode_prompt(tokenizer, prompt, chat, vocab)])
+    prompts = ([batch_prompt(tokenizer, p, i, chat, vocab, special_text) for i, p in enumerate(prompt)] if batched
+               else [encode_prompt(tokenizer, prompt, chat, vocab, special_text)])
     with exclusive(policy):
         return _generate(model, tokenizer, policy, prompts, batched, max_new_tokens, (temperature, top_k, top_p),
                          seed, stop_at_eos, on_token, progress)
 
 
-def batch_prompt(tokenizer, prompt, index: int, chat: bool, vocab_size: int) -> list[int]:
+def batch_prompt(tokenizer, prompt, index: int, chat: bool, vocab_size: int, special_text: str) -> list[int]:
     try:
-        return encode_prompt(tokenizer, prompt, chat, vocab_size)
+        return encode_prompt(tokenizer, prompt, chat, vocab_size, special_text)
     except ValueError as err:
         raise ValueError(f"prompt {index} of the batch: {err}") from None
 

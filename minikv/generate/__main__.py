@@ -5,7 +5,8 @@ Streams the generated text to stdout as it is produced, then prints one summary 
 --quiet leaves the summary out, --stats adds the full table, --json prints the result as JSON on
 stdout instead of the text. Every flag is checked before the model loads. Ctrl-C stops
 generation and keeps what was generated, printing it and one line `interrupted: ...` (exit code
-130); a reader that stops reading (`| head -c 5`) ends it quietly (exit code 0); a bad flag or
+130; SIGTERM likewise, `terminated: ...`, 143); a policy that fails mid-generation (a plugin's)
+keeps it too, and its error follows on a line of its own; a reader that stops reading (`| head -c 5`) ends it quietly (exit code 0); a bad flag or
 input, a closed stdin included, prints one line `error: ...` and exits with 2.
 """
 from __future__ import annotations
@@ -16,7 +17,8 @@ import sys
 import torch
 
 from . import DEFAULT_MAX_NEW_TOKENS, check_sampling, decode_bandwidth, generate, measure_read_bandwidth
-from ..cli import check_common, check_output_paths, check_positive, dumps, run_command, stdout_reader_gone
+from ..cli import (check_common, check_output_paths, check_positive, dumps, interrupted as say_interrupted,
+                   one_line, run_command, stdout_reader_gone)
 from ..plugins import add_import_argument, import_from_argv
 
 DEFAULT_THREADS = 1  # see --threads
@@ -48,6 +50,10 @@ def parse_args(argv=None):
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file ('-' for stdin)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--special-text", choices=("tokens", "literal"), default=None,
+                   help="what special-token text in the prompt (<|im_end|>, <s>) becomes: 'tokens', the special "
+                        "tokens, as transformers encodes it, or 'literal', plain text that cannot end a chat turn "
+                        "(default: tokens with --prompt, literal with --prompt-file)")
     p.add_argument("--policy", default="full", help="KV-cache policy spec, e.g. 'streaming:sink=4,window=252' "
                                                    "(default: %(default)s; the list is below)")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
@@ -162,6 +168,32 @@ class StreamPrinter:
             sys.stdout.flush()
 
 
+def json_result(text: str, ids: list[int], stats: dict, spec: str) -> str:
+    """--json's output. A statistic JSON cannot hold (a tensor a plugin's stats() returned) is a
+    ValueError naming the policy and its module, raised after the result is printed with null there."""
+    try:
+        return dumps({"text": text, "token_ids": ids, "stats": stats})
+    except (TypeError, ValueError):
+        bad = [k for k, v in stats.items() if not _json_holds(v)]
+        print(dumps({"text": text, "token_ids": ids, "stats": {k: None if k in bad else v for k, v in stats.items()}}))
+        sys.stdout.flush()
+        from ..policies.base import _REGISTRY
+
+        cls = _REGISTRY.get(spec.partition(":")[0].strip())
+        who = f"policy {cls.name!r} (module {cls.__module__})" if cls else f"policy {spec!r}"
+        raise ValueError(f"{who}: stats() gave {', '.join(f'{k!r}, a {type(stats[k]).__name__},' for k in bad)} "
+                         "which JSON cannot hold (give numbers, strings, lists or dicts); the text is printed "
+                         "above with null for it") from None
+
+
+def _json_holds(value) -> bool:
+    try:
+        dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
@@ -226,33 +258,44 @@ def main(argv=None) -> int:
         if done >= total:
             bar.close()  # erase the bar before the first token is printed on its line
 
-    interrupted = False
+    interrupted, failed = False, None
     try:
         result = generate(model, tokenizer, prompt, policy=args.policy, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          chat=args.chat, stop_at_eos=not args.ignore_eos, on_token=printer, progress=progress)
+                          chat=args.chat, stop_at_eos=not args.ignore_eos, on_token=printer, progress=progress,
+                          special_text=args.special_text or ("tokens" if args.prompt is not None else "literal"))
         text, ids, stats = result.text, result.token_ids, result.stats
     except KeyboardInterrupt:
         interrupted = True
         ids = [t for t in printer.ids if t not in tokenizer.eos_ids]
         text, stats = tokenizer.decode(ids), {"interrupted": True, "new_tokens": len(ids)}
+    except BrokenPipeError:  # stdout's reader has gone: nothing more to print (minikv.cli ends quietly)
+        raise
+    except Exception as err:  # a policy failing mid-generation (a plugin's decode, its stats()): the text first
+        if not printer.ids:
+            raise
+        failed = err
+        ids = [t for t in printer.ids if t not in tokenizer.eos_ids]
+        text, stats = tokenizer.decode(ids), {"error": f"{type(err).__name__}: {one_line(err)}", "new_tokens": len(ids)}
     finally:
         if bar is not None:
             bar.close()
     if args.json:
-        print(dumps({"text": text, "token_ids": ids, "stats": stats}))
+        print(json_result(text, ids, stats, args.policy))
     else:
         sys.stdout.write(printer.stream.flush() + "\n")
         sys.stdout.flush()
-    if interrupted:  # one line, as every command's Ctrl-C
-        print(f"interrupted: {len(ids)} tokens generated, kept above", file=sys.stderr)
-    elif not args.quiet:
+    if failed is not None:  # the error's one line (minikv.cli: whose bug it is) after the text
+        raise failed
+    if interrupted:  # one line, as every command's Ctrl-C and SIGTERM
+        return say_interrupted(f"{len(ids)} tokens generated, kept above")
+    if not args.quiet:
         print(summary_line(stats), file=sys.stderr)
     if args.stats and "bytes_per_token" in stats:  # the achieved bandwidth's share of the machine's
         stats.update(decode_bandwidth(stats["bytes_per_token"], stats["tpot_s"], measure_read_bandwidth(model.device)))
     if args.stats:
         print_stats(stats)
-    return 130 if interrupted else 0
+    return 0
 
 
 if __name__ == "__main__":

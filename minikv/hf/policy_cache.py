@@ -34,8 +34,16 @@ class _Rewind(Exception):
 
 def model_config(config) -> tuple[ModelConfig, bool]:
     """minikv's ModelConfig for a transformers config, and whether minikv computes the same RoPE
-    frequencies (only policies that re-rotate keys need them)."""
+    frequencies (only policies that re-rotate keys need them). A model that is not a decoder of
+    attention layers (an encoder-decoder such as T5, a state-space model such as Mamba) is a
+    ValueError that says so."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"minikv.hf: {config.model_type} is an encoder-decoder model; minikv policies hold the "
+                         "self-attention KV of decoder-only models")
     c = config.get_text_config(decoder=True)
+    if not getattr(c, "num_attention_heads", None) or not getattr(c, "num_hidden_layers", None):
+        raise ValueError(f"minikv.hf: {c.model_type} has no attention layers (its config has no num_attention_heads); "
+                         "minikv policies hold the KV of attention layers")
     raw = c.to_dict()
     n_heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // n_heads
@@ -145,20 +153,22 @@ class PolicyCache(Cache):
         self.positions = None  # (B, T) absolute positions of the forward now running
         self.last_action = None  # the policy's StepAction after the last forward
         self.in_generate = False  # inside minikv.hf.policy's generate: a rewind restarts it
+        self.bound = False  # bound at this cache's first forward (a Policy object may come bound from an earlier one)
 
     def __repr__(self):
         return f"PolicyCache({self.policy.name}, seen={self.seen})"
 
     def stats(self) -> dict:
-        if not self.policy.bound:
+        if not self.bound:
             raise ValueError("minikv.hf: the policy is bound at the first forward; no stats before it")
         return self.policy.stats()
 
     # -- one forward -----------------------------------------------------------------------------
     def begin(self, ids, embeds, position_ids) -> None:
         B, T = (ids if ids is not None else embeds).shape[:2]
-        if not self.policy.bound:
+        if not self.bound:  # this generation's first forward: bind, as minikv.generate binds, afresh
             self._bind(B, T)
+            self.bound = True
         elif self.policy.batch_size != B:
             raise ValueError(f"minikv.hf: batch size changed from {self.policy.batch_size} to {B}")
         elif T != 1:

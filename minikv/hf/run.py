@@ -8,7 +8,7 @@ import torch
 from transformers import Cache
 
 from ..policies import Policy, make
-from .policy_cache import PolicyCache, _Rewind
+from .policy_cache import PolicyCache, _Rewind, model_config
 from .wiring import attach, cache, cache_argument, detach
 
 
@@ -76,6 +76,7 @@ def policy(model, spec):
     the model is as it was before it (attention, hooks, `generate`), but for the last cache, which
     `minikv.hf.stats(model)` reads."""
     make(spec)  # a bad spec fails here, not at the first generate
+    model_config(model.config)  # so does a model without attention layers
     saved = vars(model).get("generate")  # an outer block's, or none (the class's method)
     was_attached = bool(getattr(model, "_minikv_hooks", None))
     attach(model)

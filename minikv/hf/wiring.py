@@ -121,8 +121,8 @@ def cache(model, spec, *, max_new_tokens: int | None = None, max_len: int | None
     to pass to `generate` or the model's forward under the name `cache_argument(model)` gives.
     Attaches the model (see `attach`). The policy is bound at the first forward, sized for the
     prompt plus max_new_tokens (or max_len tokens in all)."""
+    c = PolicyCache(model, spec, max_new_tokens=max_new_tokens, max_len=max_len)  # a model it cannot hold: refused first
     attach(model)
-    c = PolicyCache(model, spec, max_new_tokens=max_new_tokens, max_len=max_len)
     model._minikv_cache = c
     return c
 

@@ -1,5 +1,8 @@
 """Pieces the Triton kernels share: base-2 softmax constants, a dot that works in the
-interpreter, and the merge of split-K partial attentions by their log-sum-exps.
+interpreter, and the merge of split-K partial attentions by their log-sum-exps; and the one place
+where the Triton versions minikv runs on differ (3.6.0 on the GPU machine that is lent, 3.9.0 in
+CI, docs/gpu.md): see `TRITON_VERSION` below. (The compile check's API, bench/gpu_compile.py, is
+spelled the same in both.)
 
 Imported only by fused.py modules, which `load_fused` imports after choosing the interpreter
 (TRITON_INTERPRET must be set before any @triton.jit decoration runs).
@@ -11,6 +14,35 @@ import triton
 import triton.language as tl
 
 from . import launch as configs
+
+TRITON_VERSION = tuple(int(x) for x in triton.__version__.split("+")[0].split(".")[:2])
+
+
+# -- where Triton versions differ ------------------------------------------------------------------
+
+
+def _interpreter_index_fix() -> None:
+    """Triton's interpreter holds a scalar (a loaded length, a program id) as a one-element 1-d
+    numpy array and, before 3.8, turns it into a Python int for `range()` with `int(array)`, which
+    NumPy 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars"): every
+    kernel whose loop bounds are loaded values (decode_attention's `range(start, end, BLOCK_N)`)
+    fails there. 3.8 and 3.9 convert `int(array.squeeze())`; the same here, for older ones."""
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor  # called by _patch_lang for each kernel launch
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if TRITON_VERSION < (3, 8):
+    _interpreter_index_fix()
+
+
+# -- what the kernels share --------------------------------------------------------------------------
 
 LOG2E = 1.4426950408889634  # softmaxes run in base 2 (exp2 is the fast one): scale * log2(e)
 LN2 = tl.constexpr(0.6931471805599453)  # and back to natural log for the returned lse

@@ -130,6 +130,7 @@ class Policy(ABC):
     reports_attended: ClassVar[bool] = True
 
     PAPER: ClassVar[dict] = {}  # the parameter values of the paper's rules, which preset=paper selects
+    PAPER_SIZES: ClassVar[dict] = {}  # the sizes the paper ran at: preset=paper takes those not given
     has_paper: ClassVar[bool] = True  # False for a baseline (full) that implements no paper
 
     backend: str = param("eager")
@@ -140,10 +141,12 @@ class Policy(ABC):
         # the policy is built (make's spec, or the class called): only the call's keywords tell
         # a value given from one left at its default, which apply_preset replaces
         preset_conflicts(cls, kwargs)
-        return super().__new__(cls)
+        policy = super().__new__(cls)
+        policy._given = frozenset(kwargs)  # apply_preset: a size given beside preset=paper stays
+        return policy
 
     def __post_init__(self):
-        apply_preset(self)
+        apply_preset(self, getattr(self, "_given", None))
         check_fields(self)
         # refuses a backend the policy does not implement; "reference" stays as given: policies
         # read it for their own forms

@@ -31,7 +31,7 @@ paper's flow (FreeKVLayer.decode):
     paged.PagedKV        sink, window and selected slots; a recall copies only missing pages
 
 The paper's rules: `freekv:paper` (preset=paper: digest=minmax, the min-max pooled keys of the
-text). Decisions (docs/design.md, "freekv" and "The paper as a preset"): the default digest,
+text, at the paper's budget B = 2048 unless a budget is given). Decisions (docs/design.md, "freekv" and "The paper as a preset"): the default digest,
 digest=quant2, is beyond the papers: Quest's min/max box plus a 2-bit code of every key in it,
 pages ranked by the attention their coded keys would take (a bound ranks a natural-text
 needle's page low: docs/needle_mass.md); digest=arkvale is ArkVale's box (centre +- mean
@@ -202,6 +202,7 @@ class FreeKV(Policy):
     max_batch = 1
     kernels = ("page_scores", "paged_attention", "page_gather", "page_layout", "decode_attention")  # skip_layers: full
     PAPER = dict(digest="minmax")  # the text's "min-max pooled keys (similar to Quest)"
+    PAPER_SIZES = dict(budget=2048)  # "Budget B was fixed at 2048" (Experiments)
     # the contract matrix's data (base.Policy, "What check_policy reads")
     covering_spec = "freekv:page_size=4,budget=160,sink=4,window=8"
     small_spec, small_budget = "freekv:page_size=4,budget=24,sink=4,window=8", 24

@@ -5,9 +5,11 @@ policy gets for free (`check_fields`: type, finite, bounds, choices; a policy's 
 adds only what relates two parameters) and the policy listing of `--help` (`describe`).
 
 The paper as a preset: each policy class names, in `PAPER`, the values of its parameters that
-select exactly its paper's rules (`paper_rules`); `preset=paper` (or the spec alias `NAME:paper`,
-e.g. `freekv:paper,budget=512`) takes them (`apply_preset`), and a parameter the preset sets may
-not be given another value beside it (`preset_conflicts`). docs/design.md, "The paper as a
+select exactly its paper's rules (`paper_rules`), and in `PAPER_SIZES` the sizes the paper ran
+at (a budget, a cluster count: `paper_sizes`); `preset=paper` (or the spec alias `NAME:paper`)
+takes both (`apply_preset`). A rule the preset sets may not be given another value beside it
+(`preset_conflicts`); a size may (`freekv:paper,budget=512`: the paper's rules at another size,
+as the papers' own ablations vary them). docs/design.md, "The paper as a
 preset", gives each default that departs from the preset, with the measurement behind it.
 
 The meanings the policies share (docs/design.md, "The policy contract") are written once, in
@@ -192,6 +194,12 @@ def paper_rules(cls) -> dict:
     return dict(getattr(cls, "PAPER", {}))
 
 
+def paper_sizes(cls) -> dict:
+    """The sizes the paper ran at, which preset=paper takes unless given: its `PAPER_SIZES`
+    (a value None is one the policy resolves at bind, from the model, as its paper does)."""
+    return dict(getattr(cls, "PAPER_SIZES", {}))
+
+
 def preset_conflicts(cls, given: dict) -> None:
     """Refuse preset=paper beside one of the paper's parameters given another value: the result
     would not be the paper's rules. given: the keywords the policy class is called with (a
@@ -204,14 +212,20 @@ def preset_conflicts(cls, given: dict) -> None:
                              f"got {key}={show(given[key])}; drop one of them")
 
 
-def apply_preset(policy) -> None:
-    """preset=paper: each parameter the paper sets and the caller left at its default takes the
-    paper's value (make has refused the ones given otherwise)."""
+def apply_preset(policy, given=None) -> None:
+    """preset=paper: each rule the paper sets and the caller left at its default takes the
+    paper's value (make has refused the ones given otherwise), and each of the paper's sizes
+    the caller did not give (given: the keywords the policy class was called with; None: a size
+    left at its default counts as not given)."""
     if policy.preset != "paper":
         return
     fs = {f.name: f for f in fields(policy)}
     for key, want in paper_rules(type(policy)).items():
         if getattr(policy, key) == fs[key].default:
+            setattr(policy, key, want)
+    for key, want in paper_sizes(type(policy)).items():
+        left = key not in given if given is not None else getattr(policy, key) == fs[key].default
+        if left:
             setattr(policy, key, want)
 
 
@@ -228,8 +242,10 @@ def describe(cls) -> list[str]:
     fs = declarations(cls)
     width = max(len(f"{n}={show(f.default)}") for n, f in fs.items())
     rules = ", ".join(f"{k}={show(v)}" for k, v in paper_rules(cls).items())
-    if rules:
-        rules = f"; here paper sets {rules}"
+    sizes = ", ".join(f"{k}={show(v) if v is not None else 'none (from the model, at bind)'}"
+                      for k, v in paper_sizes(cls).items())
+    if rules or sizes:
+        rules = "; here paper sets " + rules + ("; and sizes, which a value given replaces: " + sizes if sizes else "")
     else:
         rules = "; here the defaults are the paper's rules" if cls.has_paper else "; no paper here: paper is the defaults"
     return [f"{n + '=' + show(f.default):<{width}}  {bounds_text(f)}: {meaning(f)}" + (rules if n == "preset" else "")

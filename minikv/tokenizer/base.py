@@ -7,7 +7,7 @@ import codecs
 import re
 from dataclasses import dataclass
 
-from .chat_template import compile_template
+from .chat_template import TemplateTooCostly, render
 
 # Tokens that end an assistant turn in common chat formats; eos_ids holds those the template uses.
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
@@ -35,6 +35,7 @@ class Tokenizer:
         self.special_ids = {t.id for t in added if t.special}
         self._content = {t.id: t.content for t in added}
         self.strip_first_space = strip_first_space  # sentencepiece's dummy prefix, undone when decoding
+        self.origin: str | None = None  # where its files are (load_tokenizer sets it): errors name the model
         # Longest first, so that "<|im_start|>" wins over a shorter token that is its prefix.
         ordered = sorted(added, key=lambda t: -len(t.content))
         self._added_ids = [t.id for t in ordered]
@@ -54,21 +55,27 @@ class Tokenizer:
     def eos_token(self) -> str | None:
         return self._content.get(self.eos_id)
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        """Token ids of text; added tokens written in the text become their ids. add_bos=None does
-        what the tokenizer's config says (add_bos_token, or its post-processor)."""
+    def encode(self, text: str, add_bos: bool | None = None, literal: tuple[int, int] | None = None) -> list[int]:
+        """Token ids of text; added tokens written in the text become their ids, except inside
+        `literal`, a (start, end) span of text whose special-token text stays text (someone else's
+        text in a chat: "<|im_end|>" there must not end the turn). add_bos=None does what the
+        tokenizer's config says (add_bos_token, or its post-processor)."""
         if add_bos if add_bos is not None else self.add_bos:
             if self.bos_id is None:
                 raise ValueError("this tokenizer has no BOS token; call encode(text, add_bos=False)")
             ids = [self.bos_id]
         else:
             ids = []
+        # added tokens are matched outside the literal span only; the text between two of them is
+        # encoded in one piece, across the span's edges, as it would be without the span
+        parsed = [(0, len(text))] if literal is None else [(0, literal[0]), (literal[1], len(text))]
         start = 0
-        for m in self._added_re.finditer(text) if self._added_re else ():
-            if m.start() > start:
-                ids += self._encode_text(text[start:m.start()])
-            ids.append(self._added_ids[m.lastindex - 1])
-            start = m.end()
+        for lo, hi in parsed:
+            for m in self._added_re.finditer(text, lo, hi) if self._added_re else ():
+                if m.start() > start:
+                    ids += self._encode_text(text[start:m.start()])
+                ids.append(self._added_ids[m.lastindex - 1])
+                start = m.end()
         if start < len(text):
             ids += self._encode_text(text[start:])
         return ids
@@ -86,9 +93,41 @@ class Tokenizer:
             raise ValueError("this tokenizer has no chat template (looked for tokenizer_config.json 'chat_template', "
                              "chat_template.jinja, GGUF tokenizer.chat_template); format the prompt yourself")
         special = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token)) if v}
-        return compile_template(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None,
-            **{**special, **kwargs})
+        try:
+            return render(self.chat_template, messages=messages, add_generation_prompt=add_generation_prompt,
+                          tools=None, documents=None, **{**special, **kwargs})
+        except Exception as err:  # noqa: BLE001  (the template is the model's file: its error, not minikv's)
+            raise ValueError(f"chat template of {self.origin or 'this tokenizer'}: {_template_error(err)}") from None
+
+
+def _template_error(err: Exception) -> str:
+    """What a template's failure says: its own message (`raise_exception("...")`, an unknown
+    filter, a blocked attribute), the exception's name where it has no message of its own kind."""
+    import jinja2
+
+    where = f" (line {err.lineno})" if isinstance(err, jinja2.TemplateSyntaxError) and err.lineno else ""
+    if isinstance(err, (jinja2.TemplateError, TemplateTooCostly)):
+        return f"{str(err) or type(err).__name__}{where}"
+    if isinstance(err, RecursionError):
+        return "it recursed too deep"
+    return f"{type(err).__name__}: {err}"
+
+
+USER_TEXT = "\ue000minikv-user-text\ue001"  # a stand-in for the user's text (private-use characters)
+
+
+def user_turn(tok: Tokenizer, content: str) -> tuple[str, tuple[int, int]]:
+    """The chat prompt of one user message, and the (start, end) span the message's text takes in
+    it. The template is rendered twice: with a stand-in for the text, which gives what comes before
+    and after it, and with the text itself, which must sit between the two (a template may trim it)."""
+    around = tok.apply_chat_template([{"role": "user", "content": USER_TEXT}]).split(USER_TEXT)
+    text = tok.apply_chat_template([{"role": "user", "content": content}])
+    if len(around) != 2 or not (text.startswith(around[0]) and text.endswith(around[1])) \
+            or len(text) < len(around[0]) + len(around[1]):
+        raise ValueError(f"chat template of {tok.origin or 'this tokenizer'}: it does not write the message's "
+                         "text as one piece, so its special-token text cannot be kept literal; "
+                         "encode it as tokens (--special-text tokens)")
+    return text, (len(around[0]), len(text) - len(around[1]))
 
 
 class StreamDecoder:

@@ -29,7 +29,12 @@ def load_tokenizer(model_dir) -> Tokenizer:
     """The tokenizer of a Hugging Face style model directory: tokenizer.json when it is byte-level
     BPE, else tokenizer.model (SentencePiece), else GPT-2 style vocab.json + merges.txt; with
     tokenizer_config.json (and chat_template.jinja) for BOS/EOS, add_bos_token and the chat template."""
-    d = Path(model_dir)
+    tok = _load_tokenizer(Path(model_dir))
+    tok.origin = str(model_dir)  # the model its chat template's errors name
+    return tok
+
+
+def _load_tokenizer(d: Path) -> Tokenizer:
     if not d.is_dir():
         raise FileNotFoundError(f"tokenizer directory {d} does not exist")
     cfg = {**_read_json(d / "special_tokens_map.json"), **_read_json(d / "tokenizer_config.json")}

@@ -207,6 +207,7 @@ def test_register_backend_refuses_builtin_names_and_unknown_ops():
         register_backend("decode_attention", "my,kernel", my_decode_attention)
 
 
+@pytest.mark.weights  # `bench speed` loads the real SmolLM2
 def test_bench_speed_runs_a_registered_backend(counted_backend, capsys):
     """`bench speed` takes the backend's name in its policy spec (a module registering it is
     imported in its process): the flags check accepts it, and a short run decodes on it."""

@@ -14,7 +14,6 @@ from minikv.config import ModelConfig
 from minikv.kernels.page_scores import reference as ps_reference
 from minikv.models.attention import dense_attention
 from minikv.policies import make
-from minikv.policies.paged import page_digest
 
 from ..fixtures import DEVICE, ITEMS_PROMPT, greedy_logits
 
@@ -22,20 +21,71 @@ TINY = ModelConfig(model_type="llama", vocab_size=64, hidden_size=48, intermedia
                    n_heads=6, n_kv_heads=2, head_dim=16, max_position_embeddings=4096, rotary_dim=16)
 
 
-def oracle_pages(q, keys, P, n_sink, n_window, K, group_reduce="softmax_mean", digest="minmax"):
-    """The candidate pages a query selects, from scratch: q (1, Hq, D), keys (1, Hkv, L, D) of every
-    token so far -> (Hkv, K) candidate numbers (-1 pads). Candidates: the pages before the window."""
-    L = keys.shape[2]
+def oracle_scores(q, keys, P, n_sink, n_window, group_reduce="softmax_mean", digest="minmax"):
+    """The page scores of every candidate page, from scratch and in float64, nothing of minikv's
+    digests or scores used: q (1, Hq, D), keys (1, Hkv, L, D) of every token so far -> (Hkv, n)
+    for the n pages before the window. Each page's box per channel: Quest's lo = min_t k_t, hi =
+    max_t k_t (minmax, quant2) or ArkVale's c +- mean_t |k_t - c|, c = (lo + hi) / 2; a query
+    head's weight P_h[n] = sum_d max(q_d lo_d, q_d hi_d), or with quant2 (1/s) log sum_t exp(s q .
+    k^_t), k^_t the nearest of 4 levels across the box per channel; the group's score: each head's
+    own softmax over the pages (of s P_h, s = 1/sqrt(D)), then their mean (softmax_mean, FreeKV's),
+    or the mean or max of P_h."""
+    Hkv, L, D = keys.shape[1], keys.shape[2], keys.shape[3]
     n_cand = max(0, -(-L // P) - n_sink - n_window)
+    G, s = q.shape[1] // Hkv, 1 / math.sqrt(D)
+    out = torch.zeros(Hkv, n_cand, dtype=torch.float64)
     if n_cand == 0:
-        return torch.full((keys.shape[1], K), -1)
-    pages = keys[0, :, n_sink * P:(n_sink + n_cand) * P].reshape(keys.shape[1], n_cand, P, -1)  # (Hkv, n, P, D)
-    lo, hi = (t.transpose(0, 1)[None] for t in page_digest(pages.transpose(0, 1), digest))  # (1, Hkv, n, D)
-    codes = ps_reference.pack_codes(pages[None], lo, hi) if digest == "quant2" else None
-    k = min(K, n_cand)
-    _, index = ps_reference.page_scores(q, lo, hi, torch.tensor([n_cand]), k, 1 / math.sqrt(q.shape[-1]), group_reduce,
-                                        codes)
-    return torch.cat((index[0], torch.full((keys.shape[1], K - k), -1)), dim=1)
+        return out
+    pages = keys[0, :, n_sink * P:(n_sink + n_cand) * P].double().reshape(Hkv, n_cand, P, D)
+    for m in range(Hkv):
+        lo, hi = pages[m].amin(1), pages[m].amax(1)  # (n, D)
+        if digest == "arkvale":
+            centre = (lo + hi) / 2
+            radius = (pages[m] - centre[:, None]).abs().mean(1)
+            lo, hi = centre - radius, centre + radius
+        weights = []
+        for j in range(G):
+            qh = q[0, m * G + j].double()
+            if digest == "quant2":
+                width = (hi - lo)[:, None]  # (n, 1, D)
+                levels = lo[:, None, :, None] + torch.arange(4.0, dtype=torch.float64) * width[..., None] / 3
+                k_hat = lo[:, None] + (pages[m][..., None] - levels).abs().argmin(-1) * width / 3  # (n, P, D)
+                weights.append(torch.logsumexp(s * (k_hat @ qh), -1) / s)
+            else:
+                weights.append(torch.maximum(qh * lo, qh * hi).sum(-1))  # Quest's bound, (n,)
+        if group_reduce == "softmax_mean":  # softmax per head first, then the group mean
+            heads = [torch.exp(s * w - (s * w).max()) for w in weights]
+            out[m] = sum(e / e.sum() for e in heads) / G
+        elif group_reduce == "mean":
+            out[m] = sum(weights) / G
+        else:
+            out[m] = torch.stack(weights).amax(0)
+    return out
+
+
+def oracle_pages(q, keys, P, n_sink, n_window, K, group_reduce="softmax_mean", digest="minmax"):
+    """The candidate pages a query selects, from oracle_scores: (Hkv, K) candidate numbers, the
+    top K per KV head (equal scores: the lower page), -1 pads."""
+    scores = oracle_scores(q, keys, P, n_sink, n_window, group_reduce, digest)
+    out = torch.full((keys.shape[1], K), -1)
+    for m, row in enumerate(scores.tolist()):
+        top = sorted(range(len(row)), key=lambda n: (-row[n], n))[:K]
+        out[m, :len(top)] = torch.tensor(top, dtype=torch.int64)
+    return out
+
+
+def read_pages(row, P, n_sink, n_cand):
+    """The candidate pages among the tokens a KV head read."""
+    return sorted({t // P - n_sink for t in row if n_sink * P <= t < (n_sink + n_cand) * P})
+
+
+def near_tie(scores, got, want):
+    """True when the pages `got` and `want` of one KV head differ only across a near-tie: their
+    scores, sorted, agree within float32's rounding of the policy (1e-5 of the row's scale)."""
+    a = sorted((float(scores[n]) for n in got), reverse=True)
+    b = sorted((float(scores[n]) for n in want), reverse=True)
+    scale = float(scores.abs().max()) if scores.numel() else 1.0
+    return len(a) == len(b) and all(abs(x - y) <= 1e-5 * scale for x, y in zip(a, b))
 
 
 def visible_tokens(pages, L, P, n_sink, n_window):
@@ -127,6 +177,14 @@ def run_against_oracle(case, backend="eager", oracle=None):
             args = (keys[i], P, n_sink, n_window, K, case["group_reduce"], case["digest"])
             pages = torch.where(fresh[:, None], oracle(q1, *args), oracle(prev_q[i], *args))
             L = keys[i].shape[2]
+            # a near-tie the policy's float32 broke the other way: its pages hold the same scores
+            n_cand = max(0, -(-L // P) - n_sink - n_window)
+            for m, row in enumerate(layer.attended_indices().tolist()):
+                got, want = read_pages(row, P, n_sink, n_cand), sorted(c for c in pages[m].tolist() if c >= 0)
+                if got != want:
+                    scores = oracle_scores(q1 if fresh[m] else prev_q[i], *args[:4], *args[5:])[m]
+                    assert near_tie(scores, got, want), f"step {step}, layer {i}, KV head {m}: pages {got}, not {want}"
+                    pages[m] = torch.tensor(got + [-1] * (K - len(got)))
             toks = visible_tokens(pages, L, P, n_sink, n_window)
             # group-consistent: every query head of group m reads toks[m], and nothing else
             torch.testing.assert_close(out[:, :, 0], oracle_attention(q1[:, :, None], keys[i], values[i], toks)[:, :, 0])
@@ -182,6 +240,20 @@ def test_reference_backend_matches_oracle_and_eager(case):
     eager = run_against_oracle(case)
     keys = ("pages_recalled", "correction_rate", "device_tokens", "bytes_to_device")
     assert [ref.stats()[k] for k in keys] == [eager.stats()[k] for k in keys]
+
+
+def test_the_group_consistent_oracle_takes_each_heads_softmax_before_the_mean():
+    """A fixed case of FreeKV's reduction (softmax_mean, groups of 3 query heads, Quest's min/max
+    box), whatever hypothesis draws: every step's pages and output are the independent oracle's,
+    a softmax over the pages per query head, then the group mean. A mean of P_h taken without
+    each head's softmax (group_reduce=mean) chooses other pages here, and the oracle says so."""
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=48, intermediate_size=64, n_layers=2,
+                      n_heads=6, n_kv_heads=2, head_dim=16, max_position_embeddings=4096, rotary_dim=8)
+    case = dict(P=2, sink=2, window=2, budget=12, cfg=cfg, T=40, steps=12, mode="quest",
+                group_reduce="softmax_mean", digest="minmax", seed=11)
+    run_against_oracle(case)
+    with pytest.raises(AssertionError, match="pages"):
+        run_against_oracle(case, oracle=lambda q, *args: oracle_pages(q, *args[:5], "mean", args[6]))
 
 
 def test_mixed_correction_corrects_some_heads_and_not_others():

@@ -23,7 +23,7 @@ from minikv.policies import make
 
 from ..fixtures import DEVICE
 
-CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, n_layers=1,
+CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, n_layers=2,
                   n_heads=4, n_kv_heads=2, head_dim=8, max_position_embeddings=4096, rotary_dim=8)
 P, SINK, WINDOW, K, TAU = 4, 4, 4, 3, 0.9
 SPEC = f"freekv:paper,page_size={P},sink={SINK},window={WINDOW},budget={SINK + WINDOW + P + K * P},tau={TAU}"
@@ -59,6 +59,7 @@ class PaperFreeKV:
         return out
 
     def prefill(self, q_last, K, V):
+        q_last, K, V = q_last.double(), K.double(), V.double()  # the transcription's arithmetic: float64
         self.K, self.V = K, V
         for L in range(1, K.shape[1] + 1):
             self.grow(L)
@@ -66,7 +67,8 @@ class PaperFreeKV:
         self.prev_q = q_last
 
     def decode(self, q, k, v):
-        """q (Hq, D), k, v (Hkv, D) -> out (Hq, D), reads per KV head, corrected heads."""
+        """q (Hq, D), k, v (Hkv, D) -> out (Hq, D) float64, reads per KV head, corrected heads."""
+        q, k, v = q.double(), k.double(), v.double()
         self.K = torch.cat((self.K, k[:, None]), 1)
         self.V = torch.cat((self.V, v[:, None]), 1)
         L, Hkv = self.K.shape[1], self.K.shape[0]
@@ -109,26 +111,31 @@ def drifting_queries(g, steps, H, D):
 
 
 def run(spec, speculative=True, T=61, steps=30, seed=0):
+    """Each step, every layer with its own drifting queries and random k, v; -> per step and
+    layer (the policy's reads, the transcription's, max |output difference|, the corrected
+    heads, the policy's count of them, the transcription's)."""
     policy = make(spec).bind(CFG, device=DEVICE, dtype=torch.float32, max_len=T + steps)
-    layer = policy.layers[0]
-    paper = PaperFreeKV(CFG.n_groups, speculative)
+    papers = [PaperFreeKV(CFG.n_groups, speculative) for _ in policy.layers]
     g = torch.Generator().manual_seed(seed)
     H, Hkv, D = CFG.n_heads, CFG.n_kv_heads, CFG.head_dim
-    qs = drifting_queries(g, T + steps, H, D)
-    q = torch.stack(qs[:T], 1)[None]  # (1, H, T, D)
-    k, v = torch.randn(1, Hkv, T, D, generator=g), torch.randn(1, Hkv, T, D, generator=g)
-    layer.prefill(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)  # the transcription: on the CPU
-    paper.prefill(q[0, :, -1], k[0], v[0])
+    qs = [drifting_queries(g, T + steps, H, D) for _ in policy.layers]
+    for layer, paper, ql in zip(policy.layers, papers, qs):
+        q = torch.stack(ql[:T], 1)[None]  # (1, H, T, D)
+        k, v = torch.randn(1, Hkv, T, D, generator=g), torch.randn(1, Hkv, T, D, generator=g)
+        layer.prefill(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)  # the transcription: on the CPU
+        paper.prefill(q[0, :, -1], k[0], v[0])
     rows = []
     for t in range(steps):
-        q = qs[T + t][None, :, None]
-        k, v = torch.randn(1, Hkv, 1, D, generator=g), torch.randn(1, Hkv, 1, D, generator=g)
-        before = layer.corrected_heads
-        out = layer.decode(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)[0, :, 0].cpu()
-        want, reads, corrected = paper.decode(q[0, :, 0], k[0, :, 0], v[0, :, 0])
-        got = [set(r) - {-1} for r in layer.attended_indices().tolist()]
-        counted = len(corrected) if paper.choosing else 0  # the library counts only where it chooses
-        rows.append((got, reads, float((out - want).abs().max()), corrected, layer.corrected_heads - before, counted))
+        for layer, paper, ql in zip(policy.layers, papers, qs):
+            q = ql[T + t][None, :, None]
+            k, v = torch.randn(1, Hkv, 1, D, generator=g), torch.randn(1, Hkv, 1, D, generator=g)
+            before = layer.corrected_heads
+            out = layer.decode(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)[0, :, 0].cpu()
+            want, reads, corrected = paper.decode(q[0, :, 0], k[0, :, 0], v[0, :, 0])
+            got = [set(r) - {-1} for r in layer.attended_indices().tolist()]
+            counted = len(corrected) if paper.choosing else 0  # the library counts only where it chooses
+            rows.append((got, reads, float((out.double() - want).abs().max()), corrected,
+                         layer.corrected_heads - before, counted))
         policy.end_step()
     return rows
 
@@ -157,7 +164,10 @@ def test_plain_quest_is_the_transcription_without_speculation():
 
 
 def test_the_preset_sets_the_papers_rules():
-    p = make("freekv:paper,budget=512")
+    p = make("freekv:paper,budget=512")  # the paper's rules at another size
     assert (p.digest, p.speculative, p.rescore, p.group_reduce, p.budget) == ("minmax", True, 0, "softmax_mean", 512)
+    assert make("freekv:paper").budget == 2048  # "Budget B was fixed at 2048"
+    assert make("freekv:paper,budget=256").budget == 256  # a size given equal to the default stays given
+    assert make("freekv").budget == 256  # the default's departure (docs/design.md)
     with pytest.raises(ValueError, match="preset=paper sets digest=minmax"):
         make("freekv:paper,digest=arkvale")

@@ -22,7 +22,7 @@ from minikv.policies import make
 
 from ..fixtures import DEVICE
 
-CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, n_layers=1,
+CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, n_layers=2,
                   n_heads=4, n_kv_heads=2, head_dim=8, max_position_embeddings=4096, rotary_dim=8)
 WINDOW, STD = 4, 0.5  # keys and queries of std 0.5: Eq. 2's s_j spreads around tau = 0.5
 
@@ -34,7 +34,8 @@ class PaperAlgorithm1:
         self.active, self.c, self.d = [], [], []
 
     def add(self, k, v):
-        # k, v (Hkv, n, D): new tokens join the active cache
+        # k, v (Hkv, n, D): new tokens join the active cache (held in float64)
+        k, v = k.double(), v.double()
         self.keys = k if self.keys is None else torch.cat((self.keys, k), 1)
         self.values = v if self.values is None else torch.cat((self.values, v), 1)
         n = k.shape[1]
@@ -43,7 +44,8 @@ class PaperAlgorithm1:
         self.d += [0] * n
 
     def step(self, q):
-        """One generation step with query q (Hq, D) -> attention output (Hq, D)."""
+        """One generation step with query q (Hq, D) -> attention output (Hq, D), float64."""
+        q = q.double()
         A = [j for j, a in enumerate(self.active) if a]
         kv_head = [h // self.G for h in range(q.shape[0])]
         out = torch.stack([torch.softmax(q[h] @ self.keys[m, A].T / math.sqrt(q.shape[1]), -1) @ self.values[m, A]
@@ -68,28 +70,33 @@ class PaperAlgorithm1:
 
 
 def run(spec, T=24, steps=30, seed=0):
+    """Each step, every layer with its own random q, k, v, then the policy's end of step; -> per
+    step and layer (active set, the transcription's, counts c_j, the transcription's, max |output
+    difference|)."""
     policy = make(f"{spec},window={WINDOW},backend=reference").bind(CFG, device=DEVICE, dtype=torch.float32,
                                                                      max_len=T + steps)
-    layer = policy.layers[0]
-    paper = PaperAlgorithm1(0.5, 2.0, WINDOW, CFG.n_groups)
+    papers = [PaperAlgorithm1(0.5, 2.0, WINDOW, CFG.n_groups) for _ in policy.layers]
     g = torch.Generator().manual_seed(seed)
     H, Hkv, D = CFG.n_heads, CFG.n_kv_heads, CFG.head_dim
     rows = []
     for t in range(steps + 1):
-        n = T if t == 0 else 1
-        q = STD * torch.randn(1, H, n, D, generator=g)
-        k, v = STD * torch.randn(1, Hkv, n, D, generator=g), torch.randn(1, Hkv, n, D, generator=g)
-        paper.add(k[0], v[0])
-        if t == 0:
-            layer.prefill(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)  # the transcription: on the CPU
-            paper.step(q[0, :, -1])  # the prefill's step: the prompt judged by its last query
-            diff = 0.0
-        else:
-            out = layer.decode(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)[0, :, 0].cpu()
-            diff = float((out - paper.step(q[0, :, 0])).abs().max())
+        diffs = []
+        for layer, paper in zip(policy.layers, papers):
+            n = T if t == 0 else 1
+            q = STD * torch.randn(1, H, n, D, generator=g)
+            k, v = STD * torch.randn(1, Hkv, n, D, generator=g), torch.randn(1, Hkv, n, D, generator=g)
+            paper.add(k[0], v[0])
+            if t == 0:
+                layer.prefill(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)  # the transcription: on the CPU
+                paper.step(q[0, :, -1])  # the prefill's step: the prompt judged by its last query
+                diffs.append(0.0)
+            else:
+                out = layer.decode(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)[0, :, 0].cpu()
+                diffs.append(float((out.double() - paper.step(q[0, :, 0])).abs().max()))
         policy.end_step()  # lines 3-15 (no logits: no recovery)
-        active = layer.active[:layer.n_tok].tolist()
-        rows.append((active, list(paper.active), layer.counts().tolist(), list(paper.c), diff))
+        for layer, paper, diff in zip(policy.layers, papers, diffs):
+            active = layer.active[:layer.n_tok].tolist()
+            rows.append((active, list(paper.active), layer.counts().tolist(), list(paper.c), diff))
     return rows
 
 
@@ -111,8 +118,13 @@ def test_other_scores_are_not_eq_2(other):
 
 def test_the_preset_sets_the_papers_rules():
     p = make("softfreeze:paper")
-    assert (p.score, p.tau, p.softness, p.window, p.follow_weight, p.judge_prompt) == ("raw", 0.5, 2.0, 32, 0.0, True)
+    # Sec. 4's K = 32, tau = 0.50, k = 2.0; Sec. 3.6: the recovery is future work, so none runs
+    assert (p.score, p.tau, p.softness, p.window, p.follow_weight, p.judge_prompt, p.egr) == \
+        ("raw", 0.5, 2.0, 32, 0.0, True, False)
+    assert make("softfreeze").egr  # the default's departure: minikv's recovery ladder
     assert not make("softfreeze").judge_prompt  # the default's departure (docs/design.md)
     assert make("softfreeze:paper,window=64").window == 64
     with pytest.raises(ValueError, match="preset=paper sets score=raw"):
         make("softfreeze:paper,score=attention")
+    with pytest.raises(ValueError, match="preset=paper sets egr=false"):
+        make("softfreeze:paper,egr=on")

@@ -152,13 +152,16 @@ def test_triton_backend_is_refused_at_once_when_the_interpreter_is_off(monkeypat
 # -- the paper as a preset ---------------------------------------------------------------------
 
 
-# each paper's rules where the defaults depart from them, read from the papers (docs/design.md,
-# "The paper as a preset"), not from the library: softfreeze Eq. 2 as is with the paper's tau and
-# the prompt judged as step 1; freekv's min-max pooled keys; synckv's N_r clusters in every layer
-# and Algorithm 1 line 23's union; icecache's Algorithm 1 lines 16-17, the offload before attention
-PAPERS = {"softfreeze": dict(score="raw", tau=0.5, judge_prompt=True), "freekv": dict(digest="minmax"),
-          "synckv": dict(wide_layers=0, nr_reads="union"), "icecache": dict(window_offload="before"),
-          "streaming": {}, "h2o": {}, "full": {}}
+# each paper's rules and sizes where the defaults depart from them, read from the papers
+# (docs/design.md, "The paper as a preset"), not from the library: softfreeze Eq. 2 as is with the
+# paper's tau, the prompt judged as step 1 and no recovery (future work); freekv's min-max pooled
+# keys at B = 2048; synckv's N_r clusters in every layer (N_r from the model, at bind), Algorithm 1
+# lines 23-24's union and no window, Eq. 6 over the whole vector; icecache's Algorithm 1 lines
+# 16-17, the offload before attention
+PAPERS = {"softfreeze": dict(score="raw", tau=0.5, judge_prompt=True, egr=False),
+          "freekv": dict(digest="minmax", budget=2048),
+          "synckv": dict(wide_layers=0, nr_reads="union", window=0, exclude_static=False, n_r=None),
+          "icecache": dict(window_offload="before"), "streaming": {}, "h2o": {}, "full": {}}
 
 
 @pytest.mark.parametrize("name", sorted(PAPERS))
@@ -166,6 +169,20 @@ def test_the_paper_preset_sets_the_papers_rules(name):
     p, default = make(f"{name}:paper"), make(name)
     assert {k: getattr(p, k) for k in PAPERS[name]} == PAPERS[name]
     assert all(getattr(default, k) != v for k, v in PAPERS[name].items())  # each a departure of the default
+
+
+@pytest.mark.parametrize("name", available())
+def test_a_size_given_beside_the_preset_stays(name):
+    """The paper's sizes (PAPER_SIZES) are what preset=paper takes when they are not given; a
+    size given, the class default included, stays, through the spec and the class alike."""
+    from minikv.policies.params import paper_sizes
+
+    cls = _REGISTRY[name]
+    defaults = {f.name: f.default for f in fields(cls)}
+    for key, value in paper_sizes(cls).items():
+        assert defaults[key] != value and getattr(make(f"{name}:paper"), key) == value
+        assert getattr(make(f"{name}:paper,{key}={show(defaults[key])}"), key) == defaults[key]
+        assert getattr(cls(preset="paper", **{key: defaults[key]}), key) == defaults[key]
 
 
 @pytest.mark.parametrize("name", available())
@@ -217,8 +234,9 @@ def test_the_help_lines_say_what_the_preset_sets_and_show_none():
     def lines(name):
         return {line.split("=", 1)[0]: line for line in describe(_REGISTRY[name])}
 
-    tails = {"freekv": "; here paper sets digest=minmax",
-             "synckv": "; here paper sets wide_layers=0, nr_reads=union",
+    tails = {"freekv": "; here paper sets digest=minmax; and sizes, which a value given replaces: budget=2048",
+             "synckv": "; here paper sets wide_layers=0, nr_reads=union, window=0, exclude_static=false; and sizes, "
+                       "which a value given replaces: n_r=none (from the model, at bind)",
              "streaming": "; here the defaults are the paper's rules",
              "full": "; no paper here: paper is the defaults"}
     for name, tail in tails.items():

@@ -259,7 +259,7 @@ def test_every_head_an_r_head_is_full_kv(tmp_path):
 @pytest.mark.parametrize("spec, message", [
     ("synckv:budget=36", r"budget must be an int > the recent window's slots \(window \+ m - 1 = 36\)"),
     ("synckv:budget=32,anticipation=off", r"budget must be an int > the recent window's slots \(window = 32\)"),
-    ("synckv:window=0", "window must be an int >= 1"),
+    ("synckv:window=-1", "window must be an int >= 0"),
     ("synckv:rho=1.5", "rho"),
     ("synckv:m=0", "synchronization stride"),
     ("synckv:n_r=0", "n_r"),

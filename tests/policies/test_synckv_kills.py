@@ -136,11 +136,12 @@ def test_what_each_tier_holds_and_what_moved(paper_clusters, nr_reads, offload):
 
 
 # a cluster of its R-head alone before one with NR-heads: under the union its sets are read
-LONE_FIRST = [{"clusters": [[0], [1, 2, 3]], "r_heads": [0, 2]}]
+LONE_FIRST = [{"clusters": [[0], [1, 2, 3]], "r_heads": [0, 2]}] * 2
 
 
 @pytest.mark.parametrize("spec, union", [(paper.SPEC, True),
-                                         (paper.SPEC.replace("synckv:paper", "synckv:wide_layers=0,nr_reads=cluster"),
+                                         (paper.SPEC.replace("synckv:paper", "synckv:wide_layers=0,nr_reads=cluster,window=0,"
+                                                                            "exclude_static=false,n_r=2"),
                                           False)])
 def test_a_lone_r_head_still_chooses_for_the_union(tmp_path, monkeypatch, spec, union):
     """Algorithm 1 with a cluster of one head (its R-head) first: under the union (lines 23-24)

@@ -16,8 +16,9 @@ back bit for bit and is judged again. Where to read what:
     schedule_fast, layer_fast    the fast form of the same schedule, all layers at once (default;
                                  the package plugs it in: this module does not import it)
 
-The paper's rules: `softfreeze:paper` (preset=paper: score=raw, tau=0.5, judge_prompt=true, the
-paper's Eq. 2, threshold and first step; k = 2 and K = 32 are the defaults already). Decisions
+The paper's rules: `softfreeze:paper` (preset=paper: score=raw, tau=0.5, judge_prompt=true,
+egr=false, the paper's Eq. 2, threshold and first step, and no recovery, which Sec. 3.6 leaves to
+future work; k = 2 and K = 32 are the defaults already). Decisions
 (docs/design.md, "softfreeze" and "The paper as a preset"): a token frozen in a step keeps its
 timer that step (schedule.py). The prompt: the prefill forward generates the first token, so read
 literally it is Algorithm 1's first step, whose line 2 scores every prompt token with the last
@@ -58,8 +59,9 @@ class SoftFreeze(RecoveryLadder, Policy):
     name = "softfreeze"
     max_batch = 1
     kernels = ("attention_relevance",)
-    # Eq. 2 as it is, Sec. 4.1's tau = 0.50, and the prefill's forward as the first generation step
-    PAPER = dict(score="raw", tau=0.5, judge_prompt=True)
+    # Eq. 2 as it is, Sec. 4.1's tau = 0.50, the prefill's forward as the first generation step, and
+    # no recovery: "Full implementation and evaluation of the recovery system is planned for future work"
+    PAPER = dict(score="raw", tau=0.5, judge_prompt=True, egr=False)
     # the contract matrix's data (base.Policy, "What check_policy reads")
     covering_spec = "softfreeze:tau=0"  # nothing is below relevance 0: nothing freezes
     small_spec = "softfreeze:softness=1"  # no budget: it freezes by relevance, from the first step on

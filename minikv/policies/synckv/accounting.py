@@ -25,14 +25,15 @@ class Accounting:
 
     def prefill(self, q, k, v, positions):
         out = super().prefill(q, k, v, positions)
-        self.read_dynamic, self.read_window = [list(d) for d in self.dynamic], self.window_tokens()
+        self.read_dynamic, self.read_window = [list(d) for d in self.dynamic], self.read_window_tokens()
         return out
 
     def decode(self, q, k, v, positions):
-        # attention reads the sets as they stand and the window up to the new token (appended)
+        # attention reads the sets as they stand and the window up to the new token (appended;
+        # window=0: none of it)
         start, dynamic = self.start, [list(d) for d in self.dynamic]
         out = super().decode(q, k, v, positions)
-        self.read_dynamic, self.read_window = dynamic, range(start, self.length)
+        self.read_dynamic, self.read_window = dynamic, range(start, self.length) if self.window else range(0)
         return out
 
     @property
@@ -67,8 +68,8 @@ class Accounting:
     def nr_read(self) -> int:
         """Tokens the NR-heads read at the last step, summed (counted, not listed: end_step asks
         every step)."""
-        if self.union:
-            return len(self.last_read(0)) * len(self.nr_heads) if self.nr_heads else 0
+        if self.dedup:
+            return sum(len(self.last_read(c)) for c in self.nr_cluster)
         n_window = len(self.read_window)
         per_cluster = [len(s) + sum(t >= 0 for t in d) + n_window for s, d in zip(self.static, self.read_dynamic)]
         return sum(per_cluster[c] for c in self.nr_cluster)

@@ -7,7 +7,9 @@ Algorithm 1 lines 23-24 write it, the union over every cluster's sets (nr_reads=
 
 An NR-head's device slots (with offloading), for each cluster whose sets it reads (one, or all
 N_r under the union): k_static static slots, then k_dyn dynamic slots per cluster; then a ring
-of `ring` = window + m - 1 slots holding the recent window, token t in slot ring_slot(t).
+of `ring` = window + m - 1 slots holding the recent window, token t in slot ring_slot(t). With
+window=0 (Algorithm 1 lines 23-24: no recent window) the ring holds the tokens since the last
+selection point, unread, until they go to the bank as the next selection's candidates.
 """
 from __future__ import annotations
 
@@ -45,6 +47,9 @@ class SyncKVLayer(LayerKV):
         Hr, Hn, n = len(self.r_heads), len(self.nr_heads), policy.max_len
         self.k_static, self.k_dyn, self.window, self.ring = policy.k_static, policy.k_dyn, policy.window, policy.ring
         self.union = policy.nr_reads == "union"  # Algorithm 1 line 23: every cluster's sets
+        self.W = max(self.window, 1)  # the window's tokens as stored; window=0 stores the new token, unread
+        # Eq. 6 as written (exclude_static=False): a dynamic slot may hold a static token, read once
+        self.dedup = self.union or not policy.exclude_static
         self.kr = torch.zeros((1, Hr, n, D), dtype=policy.dtype, device=dev)  # R-heads: full KV, device
         self.vr = torch.zeros((1, Hr, n, D), dtype=policy.dtype, device=dev)
         # per R-head, the tokens it may still choose for its dynamic set: False once static
@@ -62,8 +67,13 @@ class SyncKVLayer(LayerKV):
     # -- where tokens are ----------------------------------------------------------------------
     def window_tokens(self) -> range:
         """The recent window (on the device for every head): the last `window` tokens at least,
-        and those that have come and gone since the last selection point."""
+        and those that have come and gone since the last selection point. With window=0: the
+        tokens since the last selection point, held but not read (read_window_tokens)."""
         return range(self.start, self.length)
+
+    def read_window_tokens(self) -> range:
+        """The window tokens an NR-head reads: the window's, or none with window=0."""
+        return self.window_tokens() if self.window else range(0)
 
     def read_clusters(self, c: int) -> list[int]:
         """The clusters whose sets an NR-head of cluster c reads: its own, or all (the union)."""
@@ -91,10 +101,10 @@ class SyncKVLayer(LayerKV):
         for g in self.read_clusters(c):
             first = self.dynamic_slot(g, 0)
             pairs += [(t, first + j) for j, t in enumerate(dynamic[g]) if t >= 0]
-        if self.union:
+        if self.dedup:
             seen = set()
             pairs = [(t, s) for t, s in pairs if not (t in seen or seen.add(t))]
-        pairs += [(t, self.ring_slot(t)) for t in self.window_tokens()]
+        pairs += [(t, self.ring_slot(t)) for t in self.read_window_tokens()]
         return pairs if self.offload else [(t, t) for t, _ in pairs]
 
     def read_tokens(self, c: int, dynamic=None) -> list[int]:
@@ -119,8 +129,9 @@ class SyncKVLayer(LayerKV):
         T = self.T = self.length = k.shape[2]
         self.kr[:, :, :T] = k[:, self.r_heads]
         self.vr[:, :, :T] = v[:, self.r_heads]
-        # the first decode step reads the last `window` tokens: the prompt's from start on
-        self.start = max(0, T + 1 - self.window)
+        # the first decode step reads the last `window` tokens: the prompt's from start on (window=0:
+        # every prompt token is a candidate of Eq. 3)
+        self.start = max(0, T + 1 - self.W)
         if self.nr_heads:
             k_nr, v_nr = k[0, self.nr_heads], v[0, self.nr_heads]  # (Hn, T, D)
             self.bank.write_prompt(k_nr, v_nr)  # Algorithm 1 line 12: the NR-heads' KV goes whole
@@ -129,7 +140,8 @@ class SyncKVLayer(LayerKV):
 
     def initialize(self, q_last, k_nr, v_nr):
         """Eqs. 3-4: I_0 from the R-head's attention of the last prompt token, split by rho. The
-        candidates are the tokens before the window (the window's are read at every step anyway)."""
+        candidates are the tokens before the window (the window's are read at every step anyway):
+        with window=0, the whole attention vector."""
         # q_last (1, Hq, D); k_nr, v_nr (Hn, T, D)
         T, n, backend = self.T, self.start, self.policy.backend
         q_r = q_last[:, self.r_queries]
@@ -141,7 +153,8 @@ class SyncKVLayer(LayerKV):
             chosen = [t for t in row if t >= 0]  # best first
             self.static[c], dyn = chosen[:self.k_static], chosen[self.k_static:]
             self.dynamic[c] = dyn + [-1] * (self.k_dyn - len(dyn))
-            self.selectable[0, c, self.static[c]] = False
+            if self.policy.exclude_static:
+                self.selectable[0, c, self.static[c]] = False
         if self.offload:  # the NR-heads keep I_0 and the window on the device (Sec. 4.2)
             for j, c in enumerate(self.nr_cluster):
                 tokens, slots = zip(*self.held_slots(c))
@@ -185,7 +198,7 @@ class SyncKVLayer(LayerKV):
     def slide_window(self):
         """A selection point: the window shrinks to the last `window` tokens as of the next step;
         the generated tokens that leave it go to the bank (the prompt is there already)."""
-        start = max(self.start, self.length + 1 - self.window)
+        start = max(self.start, self.length + 1 - self.W)
         leaving = range(max(self.start, self.T), start)
         if self.offload and leaving:
             self.bank.spill(list(leaving), [self.ring_slot(t) for t in leaving])
@@ -206,7 +219,8 @@ class SyncKVLayer(LayerKV):
 
     def top_dynamic(self, q_r, lse_r, n: int) -> list[list[int]]:
         """Eqs. 5-6, an anticipation: per cluster (R-head), the k_dyn selectable tokens among [0, n)
-        (before the window, not static) of most attention. q_r (1, Hr*G, D), lse_r (1, Hr*G): this
+        (before the window, window=0: all of them, the current token included; not static,
+        exclude_static=false: static too) of most attention. q_r (1, Hr*G, D), lse_r (1, Hr*G): this
         step's R-head queries and their normalisers. Reads the R-heads' keys and `selectable`
         before n, and writes nothing (policies/overlap.py may run it beside the model)."""
         _, top = attention_topk(q_r, self.kr[:, :, :n], lse_r, torch.tensor([n], device=q_r.device),

@@ -26,16 +26,19 @@ NR-heads. Where to read what (Algorithm 1's lines):
                              needs, as Sec. 4.5 overlaps the anticipation's work with the forward
     SyncKV.split             k = budget less the window ring's slots, into static and dynamic
 
-The paper's rules: `synckv:paper` (preset=paper: wide_layers=0, nr_reads=union). Decisions
-(docs/design.md, "synckv" and "The paper as a preset"): the clustering unit is the KV head; Mem%
-counts R-heads at full length. The last `window` tokens, whatever their origin, are read by every
-head at every step; a token leaves the window only at a selection point (`slide_window`), as a
+The paper's rules: `synckv:paper` (preset=paper: wide_layers=0, nr_reads=union, window=0,
+exclude_static=false, and N_r as Sec. 5.1 sets it, paper_n_r, at bind). Decisions (docs/design.md,
+"synckv" and "The paper as a preset"): the clustering unit is the KV head; Mem% counts R-heads at
+full length. By default the last `window` tokens, whatever their origin, are read by every head
+at every step; a token leaves the window only at a selection point (`slide_window`), as a
 candidate, so between anticipations the window grows to window + m - 1 tokens and budget = k +
-window + m - 1. By default NR-heads read their own cluster's sets (Secs. 4.1 and 4.4: they reuse
+window + m - 1 (window=0, the paper's: the NR-heads read the sets only, budget = k, and the
+selections run over the whole attention vector). By default NR-heads read their own cluster's sets (Secs. 4.1 and 4.4: they reuse
 the indices of "the R-Head of their cluster"); Algorithm 1 lines 23-24 have every NR-head read the
 union over all clusters' sets, nr_reads=union (an NR-head then reads up to N_r (k_static + k_dyn)
 + window tokens, each token once; at N_r = 1 the two are the same). The dynamic set is chosen
-among the tokens before the window its R-head has not made static, so no token is read twice.
+among the tokens before the window its R-head has not made static (exclude_static=false: Eq. 6
+as written, static tokens included, each read once).
 Table 3's ablations: offload=False is "w/o initialization", anticipation=False "w/o
 anticipation", m=1 "w/o suspension". Beyond the paper, wide_layers gives the layers whose heads
 agree least (by S, Eq. 2) more clusters than n_r (SyncKV.widen; docs/synckv.md measures why). The
@@ -61,6 +64,16 @@ from .layer import SyncKVLayer
 AccountedLayer = type("SyncKVLayer", (Accounting, SyncKVLayer), {"__module__": __name__})
 
 
+def paper_n_r(cfg) -> int:
+    """N_r as the paper sets it (Sec. 5.1): "we set N_r to 2 for the Llama model and 1 for Qwen
+    model" (App. D: N_r = 2 its default). Qwen2 models take 1, the others 2, and no model more
+    than its KV heads less one: N_r = 2 of 2 KV heads makes both R-heads, full KV, nothing
+    compressed (docs/design.md, "The paper as a preset")."""
+    if cfg.model_type == "qwen2":
+        return 1
+    return max(1, min(2, cfg.n_kv_heads - 1))
+
+
 @register
 @dataclass(eq=False, kw_only=True)
 class SyncKV(Policy):
@@ -69,7 +82,10 @@ class SyncKV(Policy):
     name = "synckv"
     max_batch = 1
     kernels = ("attention_topk", "decode_attention", "gathered_attention")
-    PAPER = dict(wide_layers=0, nr_reads="union")  # N_r clusters in every layer; Algorithm 1 line 23
+    # N_r clusters in every layer; Algorithm 1 lines 23-24: the union, no recent window; Eq. 6 over
+    # the whole attention vector, static tokens included
+    PAPER = dict(wide_layers=0, nr_reads="union", window=0, exclude_static=False)
+    PAPER_SIZES = dict(n_r=None)  # "N_r to 2 for the Llama model and 1 for Qwen model": paper_n_r, at bind
     # the contract matrix's data (base.Policy, "What check_policy reads")
     covering_spec = "synckv:budget=160,window=32,m=3,wide_layers=0"
     small_spec, small_budget = "synckv:budget=48,window=8,m=3,wide_layers=0", 48  # of the NR-heads
@@ -78,7 +94,8 @@ class SyncKV(Policy):
 
     @classmethod
     def spec_for_model(cls, spec, cfg, workdir):
-        """A model with no shipped clustering gets one: layer 0 one cluster, the others two."""
+        """A model with no shipped clustering gets one: for N_r = 1, layer 0 one cluster, the others
+        two; for N_r = 2 (synckv:paper on a Llama-style model, paper_n_r), two in every layer."""
         try:
             find_clustering(cfg, 1)
             return spec
@@ -89,7 +106,8 @@ class SyncKV(Policy):
                 [{"clusters": two, "r_heads": [c[-1] for c in two]}] * (cfg.n_layers - 1)
             doc = {"format": FORMAT, "model": {"name": "check_policy", "config_sha256": config_sha256(cfg),
                                                "weights_sha256": "-", "n_layers": cfg.n_layers, "n_kv_heads": H},
-                   "corpus": {}, "seed": 0, "similarity": [], "clusterings": {"1": layers}}
+                   "corpus": {}, "seed": 0, "similarity": [],
+                   "clusterings": {"1": layers, "2": [{"clusters": two, "r_heads": [c[-1] for c in two]}] * cfg.n_layers}}
             path = Path(workdir) / f"synckv_{config_sha256(cfg)[:12]}.json"
             path.write_text(json.dumps(doc))
             return f"{spec}{',' if ':' in spec else ':'}clusters={path}"
@@ -97,11 +115,14 @@ class SyncKV(Policy):
     budget: int = param(512, "most tokens a non-representative KV head reads on the device: static + dynamic "
                              "+ window (with nr_reads=union, every cluster's static + dynamic); capped by the "
                              "context", low=1)
-    window: int = param(32, "most recent tokens, read by every head at every step (the new token included)", low=1)
+    window: int = param(32, "most recent tokens, read by every head at every step (the new token included; 0: "
+                            "none, the NR-heads read only the static and dynamic sets, as Algorithm 1 lines 23-24)",
+                        low=0)
     rho: float = param(0.5, "static ratio: the share of k = budget - window slots chosen once (Eq. 4)",
                        low=0.0, high=1.0)
     m: int = param(5, "synchronization stride: every m-th step anticipates", low=1)
-    n_r: int = param(1, "clusters (representative heads) per layer", low=1)
+    n_r: int | None = param(1, "clusters (representative heads) per layer (none: the paper's for the model, 2 on "
+                               "Llama-style models and 1 on Qwen, at most the KV heads less one)", low=1)
     clusters: str | None = param(None, "clustering file (none: the one shipped for this model)")
     offload: bool = param(True, "offload the other heads' KV to the host (false: w/o initialization)")
     anticipation: bool = param(True, "anticipation steps (false: the initial selection only)")
@@ -115,14 +136,22 @@ class SyncKV(Policy):
     nr_reads: str = param("cluster", "what a non-representative head reads besides the window: its own cluster's "
                                      "static and dynamic sets (cluster) or the union over every cluster's "
                                      "(union: Algorithm 1 lines 23-24)", choices=("cluster", "union"))
+    exclude_static: bool = param(True, "the dynamic set is chosen among the tokens not in its cluster's static set "
+                                       "(false: Eq. 6 as written, the top k_dyn of the whole attention vector, so a "
+                                       "dynamic slot may hold a static token, read once)")
 
     def __post_init__(self):
         super().__post_init__()
-        self.ring = self.window + self.m - 1 if self.anticipation else self.window  # the most tokens the window holds
-        if self.budget <= self.ring:
+        # the window ring's slots: the tokens since the last selection point wait there for the bank
+        # (with window=0 too: unread, they are the next selection's candidates); what the NR-heads
+        # read of them, the window's share of the budget, is none with window=0
+        grow = self.m - 1 if self.anticipation else 0
+        self.ring = max(self.window, 1) + grow
+        self.window_reads = self.window + grow if self.window else 0
+        if self.budget <= self.window_reads:
             slots = "window + m - 1" if self.anticipation else "window"
-            raise ValueError(f"budget must be an int > the recent window's slots ({slots} = {self.ring}): static + "
-                             f"dynamic + window, got {self.budget!r}")
+            raise ValueError(f"budget must be an int > the recent window's slots ({slots} = {self.window_reads}): "
+                             f"static + dynamic + window, got {self.budget!r}")
 
     def split(self, k: int) -> tuple[int, int]:
         """k selected slots -> (k_static, k_dyn): the split of Eq. 4, with k_dyn = floor((1 - rho) k) as
@@ -134,14 +163,15 @@ class SyncKV(Policy):
         # k = budget - the ring's slots, split by rho; neither set holds more than the context: a
         # budget past it costs at most what full KV costs for each (a selection of k >= the
         # candidates takes them all, capped or not)
-        k_static, k_dyn = self.split(self.budget - self.ring)
+        k_static, k_dyn = self.split(self.budget - self.window_reads)
         self.k_static, self.k_dyn = min(k_static, self.max_len), min(k_dyn, self.max_len)
         if cfg.sliding_window is not None and cfg.sliding_window < self.max_len:
             raise ValueError("synckv does not combine with a sliding-window model (Mistral) shorter than max_len")
-        if self.n_r > cfg.n_kv_heads:
+        self.n_r_bound = self.n_r if self.n_r is not None else paper_n_r(cfg)
+        if self.n_r_bound > cfg.n_kv_heads:
             raise ValueError(f"n_r must be <= the model's {cfg.n_kv_heads} KV heads, got {self.n_r}")
-        self.clustering, self.clustering_file = find_clustering(cfg, self.n_r, self.clusters)
-        if self.wide_layers and not (self.wide_n_r == 0 and self.n_r == cfg.n_kv_heads):  # else all heads are R-heads
+        self.clustering, self.clustering_file = find_clustering(cfg, self.n_r_bound, self.clusters)
+        if self.wide_layers and not (self.wide_n_r == 0 and self.n_r_bound == cfg.n_kv_heads):  # else all R-heads
             self.clustering = self.widen(cfg)
         for i, layer in enumerate(self.clustering):
             heads = sorted(h for c in layer["clusters"] for h in c)
@@ -155,8 +185,8 @@ class SyncKV(Policy):
         wide_n_r = 0: a cluster per KV head, every head of those layers whole (full KV there)."""
         H = cfg.n_kv_heads
         wide_n_r = self.wide_n_r or H
-        if not self.n_r < wide_n_r <= H:
-            raise ValueError(f"wide_n_r must be > n_r ({self.n_r}) and <= the model's {H} KV heads, got {wide_n_r}")
+        if not self.n_r_bound < wide_n_r <= H:
+            raise ValueError(f"wide_n_r must be > n_r ({self.n_r_bound}) and <= the model's {H} KV heads, got {wide_n_r}")
         wide = least_agreeing_layers(read_similarity(self.clustering_file), min(self.wide_layers, cfg.n_layers))
         if wide_n_r == H:
             more = [{"clusters": [[h] for h in range(H)], "r_heads": list(range(H))} for _ in range(cfg.n_layers)]
@@ -185,5 +215,6 @@ class SyncKV(Policy):
 
     def stats(self) -> dict:
         s = super().stats()  # (its device_tokens land every layer's fetch: overlap.py)
-        s.update(report(self.layers), clustering_file=str(self.clustering_file))
+        # n_r: the clusters per layer it ran (preset=paper: the paper's for the model)
+        s.update(report(self.layers), clustering_file=str(self.clustering_file), n_r=self.n_r_bound)
         return s
