@@ -65,10 +65,3 @@ def background(cls: type, select: str = "select_next", recall: str = "recall_nex
     entries = ("prefill", "decode", "device_tokens", "host_tokens", "attended_indices")
     body = {select: submit, recall: keep, "land": land, **{name: landing(name) for name in entries}}
     return type(cls.__name__, (cls,), {"__module__": __name__, "__doc__": f"{cls.__name__} in the background form.", **body})
-
-
-def land(policy) -> None:
-    """Every layer's kept recall, landed (a layer in the synchronous form keeps none)."""
-    for layer in policy.layers:
-        if hasattr(layer, "land"):
-            layer.land()
