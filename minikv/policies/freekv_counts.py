@@ -74,5 +74,6 @@ def report(layers: list, decode_steps: int) -> dict:
         "correction_step_rate": total["corrected_steps"] / total["decode_steps"] if total["decode_steps"] else 0.0,
         "pages_recalled": recalled,
         "pages_recalled_per_step": recalled / decode_steps if decode_steps else float(recalled),
-        "speculative_exact_rate": total["spec_equal"] / total["spec_compared"] if total["spec_compared"] else float("nan"),
+        "speculative_exact_rate":
+            total["spec_equal"] / total["spec_compared"] if total["spec_compared"] else float("nan"),
     }

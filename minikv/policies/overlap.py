@@ -37,7 +37,8 @@ from .worker import policy_worker  # noqa: F401  (the worker a policy keeps, re-
 
 @cache
 def background(cls: type, select: str = "select_next", recall: str = "recall_next") -> type:
-    """The background form of the layer class `cls`, whose decode ends by `self.<recall>(self.<select>(...))`."""
+    """The background form of the layer class `cls`, whose decode ends by
+    `self.<recall>(self.<select>(...))`."""
     chosen, recalled = getattr(cls, select), getattr(cls, recall)
 
     def submit(self, *args):
@@ -64,4 +65,5 @@ def background(cls: type, select: str = "select_next", recall: str = "recall_nex
 
     entries = ("prefill", "decode", "device_tokens", "host_tokens", "attended_indices")
     body = {select: submit, recall: keep, "land": land, **{name: landing(name) for name in entries}}
-    return type(cls.__name__, (cls,), {"__module__": __name__, "__doc__": f"{cls.__name__} in the background form.", **body})
+    doc = f"{cls.__name__} in the background form (overlap.py)."
+    return type(cls.__name__, (cls,), {"__module__": __name__, "__doc__": doc, **body})
