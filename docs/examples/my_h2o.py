@@ -8,7 +8,7 @@ score, then evicts down to budget - 1. The prompt is attended whole and evicted 
 column sums of its attention. minikv ships the same algorithm as `h2o` (minikv/policies/h2o.py).
 
     python -m minikv.generate --import docs/examples/my_h2o.py --policy myh2o:budget=64 --prompt "..."
-    python docs/examples/my_h2o.py          # minikv.testing.check_policy on it
+    python docs/examples/my_h2o.py          # minikv.testing.check_policy on it, with h2o_oracle
 """
 from __future__ import annotations
 
@@ -19,8 +19,7 @@ import torch
 
 import minikv
 from minikv.kernels.decode_attention import decode_attention
-from minikv.policies import LayerKV, Policy
-from minikv.policies.params import param
+from minikv.policies import LayerKV, Policy, param
 
 
 class MyH2OLayer(LayerKV):
@@ -105,8 +104,34 @@ class MyH2O(Policy):
         return {**super().stats(), "tokens_kept": self._mean(lambda layer: layer.device_tokens())}
 
 
+def h2o_oracle(step):
+    """Algorithm 1 with Section 4's window, transcribed on its own for check_policy(oracle=...):
+    each KV head's cache S maps a token to its accumulated score F, in float64. Returns, at each
+    decode step, G_i = S_{i-1} + {i}, the tokens that step's attention reads."""
+    p, s = step.params, step.state
+    Hkv, n, _ = step.k.shape
+    G = step.q.shape[0] // Hkv
+    read = None
+    if step.prefill:  # the prompt attends itself; F = the attention each token received, over the group
+        F = step.attention().sum(dim=1)  # (Hq, n): column sums
+        s["S"] = [{t: F[m * G:(m + 1) * G, t].sum().item() for t in range(n)} for m in range(Hkv)]
+    else:  # G_i = S_{i-1} + {i}; attend; F += this step's attention
+        for S in s["S"]:
+            S[n - 1] = 0.0
+        read = [sorted(S) for S in s["S"]]
+        w = step.attention(torch.tensor(read))[:, 0]  # (Hq, |G_i|)
+        for m, S in enumerate(s["S"]):
+            for j, t in enumerate(read[m]):
+                S[t] += w[m * G:(m + 1) * G, j].sum().item()
+    for S in s["S"]:  # S_i = G_i - {u}: the smallest F outside the window leaves, down to budget - 1
+        while len(S) > p["budget"] - 1:
+            old = [t for t in S if t <= max(S) - p["window"]]
+            S.pop(min(old, key=lambda t: (S[t], -t)))  # equal scores: the later token leaves
+    return read
+
+
 if __name__ == "__main__":
     from minikv.testing import check_policy
 
-    for check, where in check_policy(MyH2O).items():
+    for check, where in check_policy(MyH2O, oracle=h2o_oracle).items():
         print(f"{check}: {', '.join(map(str, where))}")

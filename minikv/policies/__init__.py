@@ -3,10 +3,11 @@ softfreeze/, icecache/, synckv/, where the readable form and its fast forms are 
 on the shared parts (base.py, params.py, tiers.py, pool.py, paged.py). `make(spec)` builds one
 from a spec string such as "streaming:sink=4,window=252"; `available()` lists the names."""
 from .base import LayerKV, Policy, StepAction, available, make, register, register_policy
+from .params import param
 from .tiers import Tiers
 from . import full  # noqa: F401  (registers "full")
 
-__all__ = ["LayerKV", "Policy", "StepAction", "Tiers", "available", "make", "register", "register_policy"]
+__all__ = ["LayerKV", "Policy", "StepAction", "Tiers", "available", "make", "param", "register", "register_policy"]
 from . import streaming  # noqa: F401
 from . import softfreeze  # noqa: F401
 from . import freekv  # noqa: F401

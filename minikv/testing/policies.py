@@ -19,6 +19,10 @@ present, SmolLM2, it checks:
     offload      a policy that offloads moves KV to the host, and every K or V row that comes back
                  to the device through its Tiers is bit for bit a row it was given
     prefill      where declared: the prompt's logits equal those of feeding it token by token
+    per-run state  one policy object run twice gives what a fresh one gives (stats and logits):
+                 what a run changes lives on the layers, which bind rebuilds
+    oracle       given oracle=: at every decode step of the small spec's run, each layer and KV
+                 head attends exactly the tokens your transcription of the paper says (oracle.py)
     reference    backend=reference greedy-decodes the default backend's tokens
     refusals     a value a parameter's declaration refuses is a ValueError naming the parameter;
                  a batch past max_batch, and a sliding-window model it cannot serve, are refused
@@ -34,24 +38,31 @@ from ..kernels import BACKENDS, check_backend, policy_backends
 from ..policies.base import Policy, _REGISTRY, discover, make, parameters
 from ..policies.params import value_type
 from .models import FAMILIES, tiny_model
-from .recorder import Recorder, fail as _fail
+from .recorder import fail as _fail
+from .runs import NEW, PROMPT, device_of, greedy, random_ids, run
 from .tolerances import default_device
 
-PROMPT, NEW = 80, 40  # tokens of the tiny models' runs: 120 of their 128 positions
 BASE_STATS = ("policy", "device_tokens", "host_tokens", "device_tokens_peak", "kv_bytes_read_per_step",
               "device_bytes", "host_bytes", "device_bytes_allocated", "host_bytes_allocated", "bytes_to_host",
               "bytes_to_device", "device_tokens_per_layer", "host_tokens_per_layer")
 
-def check_policy(spec_or_class, *, families=tuple(FAMILIES), smollm2="auto", backends=None, device=None) -> dict:
+def check_policy(spec_or_class, *, oracle=None, families=tuple(FAMILIES), smollm2="auto", backends=None,
+                 device=None) -> dict:
     """Run the contract matrix (module docstring) for one policy. spec_or_class: a registered name,
     a spec (it replaces the declared small spec, and its `budget` the declared small budget) or a
-    Policy subclass. smollm2: "auto"
-    (when the bundled model is present), False, or a loaded (model, tokenizer). backends: those to
-    check the attended outputs on (default: every backend the policy implements that runs here).
-    device: where the models and policies run (default: default_device(), the GPU when there is
-    one; a loaded SmolLM2 runs where it was loaded). Returns {check: [where it ran]}."""
+    Policy subclass. oracle: your transcription of the paper (oracle.py, Step), run beside the
+    small spec's run on every tiny model: it fails at the first decode step, layer and KV head
+    whose attended tokens differ from the oracle's. smollm2: "auto" (when the bundled model is
+    present), False, or a loaded (model, tokenizer). backends: those to check the attended outputs
+    on (default: every backend the policy implements that runs here). device: where the models and
+    policies run (default: default_device(), the GPU when there is one; a loaded SmolLM2 runs
+    where it was loaded). Returns {check: [where it ran]}."""
     cls, small, budget = _resolve(spec_or_class)
+    if oracle is not None and not cls.reports_attended:
+        raise ValueError(f"oracle= is compared with attended_indices(), which {cls.__name__} declares it does "
+                         f"not report (reports_attended = False)")
     device = default_device() if device is None else torch.device(device)
+    covering = _own(cls, cls.covering_spec or cls.name)
     ran: dict[str, list] = {}
     with tempfile.TemporaryDirectory() as work:
         _refusals(cls)
@@ -63,17 +74,20 @@ def check_policy(spec_or_class, *, families=tuple(FAMILIES), smollm2="auto", bac
             if not _accepts(cls, spec, model, where):
                 ran.setdefault("sliding-window refusal", []).append(family)
                 continue
-            ids = _random_ids(model)
-            _covering(cls, model, ids, cls.spec_for_model(cls.covering_spec or cls.name, model.cfg, Path(work)), where)
-            _small(cls, model, ids, spec, budget, where)
+            ids = random_ids(model)
+            _covering(cls, model, ids, cls.spec_for_model(covering, model.cfg, Path(work)), where)
+            _small(cls, model, ids, spec, budget, where, oracle)
             if cls.prefill_equals_decoding:
                 _prefill(model, ids, spec, where)
-            for check in ("covering", "budget", "stats", "attended", "offload") + ("prefill",) * cls.prefill_equals_decoding:
+            checks = ("covering", "budget", "stats", "attended", "offload") + ("prefill",) * cls.prefill_equals_decoding
+            for check in checks + ("oracle",) * (oracle is not None):
                 ran.setdefault(check, []).append(family)
             if family == families[0]:
+                _per_run_state(model, ids, spec, where)
+                ran["per-run state"] = [family]
                 for backend in _backends(cls, backends):
                     steps = 1 if backend == "triton" else NEW  # the interpreter: seconds per step
-                    _run(model, ids[:, :PROMPT + steps], _with(spec, backend=backend), f"{where}, backend={backend}",
+                    run(model, ids[:, :PROMPT + steps], _with(spec, backend=backend), f"{where}, backend={backend}",
                          attended=cls.reports_attended)
                     ran.setdefault("attended", []).append(f"{family}, backend={backend}")
                 _same_tokens(model, ids[:, :PROMPT], spec, 8, where)
@@ -82,10 +96,10 @@ def check_policy(spec_or_class, *, families=tuple(FAMILIES), smollm2="auto", bac
         if real is not None:
             model, tok = real
             ids = torch.tensor([tok.encode("The three primary colours are red, yellow and blue. " * 5)],
-                               device=_device(model))  # ~60 tokens
+                               device=device_of(model))  # ~60 tokens
             where = f"{cls.name} on SmolLM2"
             spec = cls.spec_for_model(small, model.cfg, Path(work))
-            _covering(cls, model, ids, cls.spec_for_model(cls.covering_spec or cls.name, model.cfg, Path(work)),
+            _covering(cls, model, ids, cls.spec_for_model(covering, model.cfg, Path(work)),
                       where, prompt=ids.shape[1] - 4, tol=1e-4)
             _same_tokens(model, ids, spec, 4, where)
             ran["covering"].append("smollm2")
@@ -98,16 +112,16 @@ def check_policy(spec_or_class, *, families=tuple(FAMILIES), smollm2="auto", bac
 
 def _covering(cls, model, ids, spec, where, prompt=PROMPT, tol=1e-5):
     """tol: 1e-5 on the tiny models; SmolLM2's logits are some 100 times larger (1e-4)."""
-    expect, _ = _run(model, ids, "full", where, prompt=prompt)
-    got, _ = _run(model, ids, spec, where, prompt=prompt)
+    expect, _ = run(model, ids, "full", where, prompt=prompt)
+    got, _ = run(model, ids, spec, where, prompt=prompt)
     if not torch.allclose(got, expect, rtol=tol, atol=tol):
         _fail(where, f"covering: {spec} does not give full KV's logits (max difference "
                      f"{(got - expect).abs().max():.3g})")
 
 
-def _small(cls, model, ids, spec, budget, where):
-    _, policy = _run(model, ids, spec, where, budget=budget, attended=cls.reports_attended,
-                     rows_back=True)
+def _small(cls, model, ids, spec, budget, where, oracle=None):
+    _, policy = run(model, ids, spec, where, budget=budget, attended=cls.reports_attended,
+                     rows_back=True, oracle=oracle)
     s = policy.stats()
     missing = sorted((set(BASE_STATS) | set(cls.stats_keys)) - set(s))
     if missing:
@@ -117,7 +131,7 @@ def _small(cls, model, ids, spec, budget, where):
 
 
 def _prefill(model, ids, spec, where):
-    T, device = PROMPT, _device(model)
+    T, device = PROMPT, device_of(model)
     whole = make(spec).bind(model.cfg, device=device, dtype=torch.float32, max_len=T)
     expect = model(ids[:, :T], policy=whole)[0]  # (T, V)
     one, got = make(spec).bind(model.cfg, device=device, dtype=torch.float32, max_len=T), []
@@ -128,10 +142,32 @@ def _prefill(model, ids, spec, where):
                      f"(declared prefill_equals_decoding = True)")
 
 
+def _per_run_state(model, ids, spec, where):
+    """One policy object run twice (two generate calls bind it twice) runs as a fresh one each
+    time: what a run changes lives on the layers, which bind rebuilds. A stat or a logit that
+    differs between the object's two runs, but not between two fresh objects' runs (timings do),
+    is state carried on the Policy from one run to the next."""
+    again = make(spec)
+    first, _ = run(model, ids, again, where)
+    before = again.stats()
+    second, _ = run(model, ids, again, where)
+    fresh, other = run(model, ids, spec, where)
+    after, control = again.stats(), other.stats()
+    for key, value in before.items():
+        if repr(after.get(key)) != repr(value) and repr(control.get(key)) == repr(value):
+            _fail(where, f"per-run state: {spec} run a second time reports {key} = {after.get(key)!r}, "
+                         f"{value!r} the first time: state kept on the Policy carries from one run (one generate "
+                         f"call) to the next; keep it on the layers, which bind rebuilds")
+    if not torch.equal(second, first) and torch.equal(fresh, first):
+        _fail(where, f"per-run state: {spec} run a second time gives other logits than the first time (max "
+                     f"difference {(second - first).abs().max():.3g}): state kept on the Policy carries from "
+                     f"one run to the next; keep it on the layers, which bind rebuilds")
+
+
 def _same_tokens(model, ids, spec, new, where):
     """backend=reference decodes the default's tokens, and keeps as many on each tier."""
-    default, d = _greedy(model, ids, spec, new)
-    reference, r = _greedy(model, ids, _with(spec, backend="reference"), new)
+    default, d = greedy(model, ids, spec, new)
+    reference, r = greedy(model, ids, _with(spec, backend="reference"), new)
     if reference != default:
         _fail(where, f"reference: backend=reference decodes {reference}, the default backend {default} ({spec})")
     for key in ("device_tokens", "host_tokens"):
@@ -180,50 +216,12 @@ def _bad_values(cls):
 def _accepts(cls, spec, model, where) -> bool:
     """False when the policy refuses the model's sliding window (then with a message saying so)."""
     try:
-        make(spec).bind(model.cfg, device=_device(model), dtype=torch.float32, max_len=PROMPT + NEW)
+        make(spec).bind(model.cfg, device=device_of(model), dtype=torch.float32, max_len=PROMPT + NEW)
     except ValueError as err:
         if model.cfg.sliding_window is None or "sliding" not in str(err):
             _fail(where, f"bind: {spec} is refused: {err}")
         return False
     return True
-
-
-# -- runs ----------------------------------------------------------------------------------------
-
-
-def _run(model, ids, spec, where, prompt=PROMPT, budget=None, attended=False, rows_back=False):
-    """Prefill `prompt` tokens, feed the rest one by one, checking what was asked on every step ->
-    (logits (steps, V), the policy)."""
-    device = _device(model)
-    policy = make(spec).bind(model.cfg, device=device, dtype=torch.float32, max_len=ids.shape[1])
-    seen = Recorder(policy, model.cfg, where, spec, attended) if attended or rows_back else None
-    out = [model(ids[:, :prompt], policy=policy)[:, -1]]
-    for t in range(prompt, ids.shape[1]):
-        out.append(model(ids[:, t:t + 1], positions=torch.tensor([[t]], device=device), policy=policy)[:, -1])
-        if budget is not None:
-            _check_budget(policy, budget, where, spec)
-    return torch.stack(out), policy
-
-
-def _check_budget(policy, budget, where, spec):
-    most = 0
-    for layer in policy.layers:
-        read = layer.attended_indices()
-        for h in layer.budget_heads():
-            most = max(most, layer.device_tokens() if read is None else int((read[h] >= 0).sum()))
-    if not 0 < most <= budget:
-        _fail(where, f"budget: a decode step of {spec} read {most} tokens for one KV head (declared small_budget {budget})")
-
-
-def _greedy(model, ids, spec, new) -> tuple[list[int], dict]:
-    device = _device(model)
-    policy = make(spec).bind(model.cfg, device=device, dtype=torch.float32, max_len=ids.shape[1] + new)
-    T, tokens = ids.shape[1], []
-    nxt = model(ids, policy=policy)[:, -1].argmax(-1)
-    for t in range(T, T + new - 1):
-        tokens.append(int(nxt))
-        nxt = model(nxt[:, None], positions=torch.tensor([[t]], device=device), policy=policy)[:, -1].argmax(-1)
-    return tokens + [int(nxt)], policy.stats()
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -245,7 +243,15 @@ def _resolve(spec_or_class) -> tuple[type[Policy], str, int | None]:
         raise ValueError(f"{cls.__name__} is not registered: decorate it with @minikv.register_policy")
     if spec is not None:
         return cls, spec, getattr(make(spec), "budget", None)
-    return cls, cls.small_spec or cls.name, cls.small_budget
+    return cls, _own(cls, cls.small_spec or cls.name), cls.small_budget
+
+
+def _own(cls, spec: str) -> str:
+    """A declared spec under cls's own name where it names a class cls derives from (a subclass
+    inherits its parent's covering_spec and small_spec, and runs them as itself)."""
+    name, colon, rest = spec.partition(":")
+    parent = _REGISTRY.get(name.strip())
+    return f"{cls.name}{colon}{rest}" if parent is not None and parent is not cls and issubclass(cls, parent) else spec
 
 
 def _with(spec: str, **items) -> str:
@@ -265,14 +271,8 @@ def _backends(cls, asked):
     return out
 
 
-def _device(model) -> torch.device:
-    return model.embed.weight.device
 
 
-def _random_ids(model, n=PROMPT + NEW, seed=1):
-    # drawn on the CPU's generator (the same ids on every device), then moved to the model
-    ids = torch.randint(0, model.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed))
-    return ids.to(_device(model))
 
 
 def _smollm2(smollm2, device):

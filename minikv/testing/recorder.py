@@ -1,6 +1,7 @@
 """What check_policy (policies.py) watches inside a run: every K and V row a policy's layers were
-given, each decode step's output against dense attention over attended_indices(), and every row
-its tiers bring back to the device; a broken contract is a PolicyContractError."""
+given, each decode step's output against dense attention over attended_indices() (listed once
+each), every row its tiers bring back to the device, and, with an oracle (oracle.py), what the
+oracle says each step attends; a broken contract is a PolicyContractError."""
 from __future__ import annotations
 
 import math
@@ -21,13 +22,14 @@ class Recorder:
     each decode step's output against dense attention over attended_indices(), and each row the
     tiers bring back to the device against the rows given."""
 
-    def __init__(self, policy, cfg, where, spec, attended):
-        self.cfg, self.where, self.spec = cfg, where, spec
+    def __init__(self, policy, cfg, where, spec, attended, oracle=None):
+        self.cfg, self.where, self.spec, self.attended = cfg, where, spec, attended
+        self.oracle = oracle  # an oracle.OracleRun, told of every forward of every layer, or None
         self.rows: set[bytes] = set()
         self.kv = {}  # layer -> (positions (n,), k, v (Hkv, n, D))
         for i, layer in enumerate(policy.layers):
-            layer.prefill = self._wrap(i, layer, layer.prefill, False)
-            layer.decode = self._wrap(i, layer, layer.decode, attended)
+            layer.prefill = self._wrap(i, layer, layer.prefill, decoding=False)
+            layer.decode = self._wrap(i, layer, layer.decode, decoding=True)
         t = policy.tiers
         to_device, gather, copy_in = t.to_device, t.gather_to_device, t.copy_in
         t.to_device = lambda x, fresh=False: self._back(to_device(x, fresh))
@@ -35,12 +37,14 @@ class Recorder:
         t.copy_in = lambda staging, g, scatter, into, background=False: copy_in(
             staging, g, lambda rows: scatter(self._back(rows)), into, background)
 
-    def _wrap(self, i, layer, fn, attended):
+    def _wrap(self, i, layer, fn, decoding):
         def call(q, k, v, positions):
             self._keep(i, k, v, positions)
             out = fn(q, k, v, positions)
-            if attended:
+            if decoding and self.attended:
                 self._attended(i, layer, q, out, int(positions[0, -1]))
+            if self.oracle is not None:
+                self.oracle.after(i, layer, q, self.kv[i], decoding)
             return out
         return call
 
@@ -64,6 +68,13 @@ class Recorder:
         read = layer.attended_indices()
         Hkv, G = k.shape[0], q.shape[1] // k.shape[0]
         window = self.cfg.sliding_window
+        for m in range(Hkv if read is not None else 0):
+            listed = read[m][read[m] >= 0]
+            if listed.unique().numel() != listed.numel():
+                twice = sorted({t for t in listed.tolist() if listed.tolist().count(t) > 1})
+                fail(self.where, f"attended: layer {i}, KV head {m} at position {p}: attended_indices() lists "
+                                  f"token{'s' * (len(twice) > 1)} {', '.join(map(str, twice))} more than once "
+                                  f"(a duplicate: each token attended is listed once)")
         for h in range(q.shape[1]):
             if read is None:
                 sel = (pos <= p) & ((p - pos < window) if window else True)

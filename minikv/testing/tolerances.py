@@ -56,6 +56,8 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     actual, expected = actual.cpu(), expected.cpu()
     assert not actual.isnan().any(), f"{name}: {actual.isnan().sum().item()} NaN (unwritten or poisoned elements)"
+    overflow = actual.isinf() & expected.isfinite()
+    assert not overflow.any(), f"{name}: {overflow.sum().item()} infinite where the reference is finite (an overflow)"
     torch.testing.assert_close(
         actual.double(), expected.double(), atol=atol, rtol=rtol,
         msg=lambda m: f"{name}: {error_report(actual, expected)} (atol {atol:g}, rtol {rtol:g})\n{m}",

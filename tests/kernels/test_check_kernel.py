@@ -58,6 +58,59 @@ def test_decode_attention_planted_bugs_fail_naming_the_input(bug, drawn):
     assert "relative RMS" in message or "NaN" in message or "lse" in message
 
 
+def no_max_subtracted(q, k, v, lengths, scale=None, window=None, return_lse=False):
+    """The softmax as its formula reads, exp(s) / sum exp(s), in float32: right while every row's
+    sum of exp(s) stays in float32's range."""
+    B, Hq, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    scale = scale if scale is not None else 1 / math.sqrt(D)
+    slot = torch.arange(L, device=q.device)
+    visible = slot < lengths[:, None]
+    if window is not None:
+        visible &= slot >= lengths[:, None] - window
+    k = k.float().repeat_interleave(Hq // Hkv, dim=1)
+    v = v.float().repeat_interleave(Hq // Hkv, dim=1).masked_fill(~visible[:, None, :, None], 0.0)
+    e = torch.einsum("bhd,bhld->bhl", q.float(), k).mul(scale).exp().masked_fill(~visible[:, None], 0.0)
+    total = e.sum(-1)  # (B, Hq): inf once the scores pass ~88.7
+    out = (torch.einsum("bhl,bhld->bhd", e, v) / total[..., None]).to(q.dtype)
+    return (out, total.log()) if return_lse else out
+
+
+def pv_in_cache_dtype(q, k, v, lengths, scale=None, window=None, return_lse=False):
+    """The weights right (float32, max subtracted), but P.V summed in the cache's dtype, token by
+    token, as a kernel whose accumulator is declared bfloat16 sums it."""
+    out, lse = my_decode_attention(q, k, v, lengths, scale, window, return_lse=True)
+    B, Hq, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    scores = torch.einsum("bhd,bhld->bhl", q.float(), k.float().repeat_interleave(Hq // Hkv, dim=1))
+    p = (scores * (scale if scale is not None else 1 / math.sqrt(D)) - lse[..., None]).exp()  # (B, Hq, L)
+    slot = torch.arange(L, device=q.device)
+    visible = slot < lengths[:, None]
+    if window is not None:
+        visible &= slot >= lengths[:, None] - window
+    p = p.masked_fill(~visible[:, None], 0.0).to(v.dtype)
+    v = v.repeat_interleave(Hq // Hkv, dim=1).masked_fill(~visible[:, None, :, None], 0.0)
+    acc = torch.zeros(B, Hq, D, dtype=v.dtype, device=q.device)
+    for j in range(L):
+        acc = acc + p[:, :, j, None] * v[:, :, j]  # rounded to the cache dtype at every token
+    out = acc.to(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def test_a_softmax_without_the_max_subtracted_overflows_and_is_told_so():
+    """Loud draws spread the scaled scores by 50 (|s| past 100): the sum of exp(s) overflows float32,
+    and the failure says so rather than blaming a poisoned read."""
+    with pytest.raises(AssertionError, match=r"loud=True.*(an overflow|lse)") as failure:
+        check_kernel("decode_attention", no_max_subtracted, dtypes=[torch.float32], examples=BUG_HUNT)
+    assert "poisoned" not in str(failure.value)
+
+
+def test_pv_summed_in_bfloat16_is_caught():
+    with pytest.raises(AssertionError, match=r"dtype=bfloat16.*relative RMS"):
+        check_kernel("decode_attention", pv_in_cache_dtype, dtypes=[torch.bfloat16], examples=BUG_HUNT)
+    check_kernel("decode_attention", pv_in_cache_dtype, dtypes=[torch.float32], examples=10)  # right in float32
+
+
 # -- paged_attention, from its definition: gather each KV head's listed tokens, dense attention ---
 
 
@@ -256,6 +309,23 @@ def test_a_policy_declares_every_kernel_it_runs(smollm2, everywhere, name):
              max_new_tokens=4, stop_at_eos=False)
     assert set(everywhere) <= set(policy.kernels), f"{name} ran {dict(everywhere)}, declares {policy.kernels}"
     assert set(everywhere) == set(policy.kernels), f"{name} declares {policy.kernels}, ran {dict(everywhere)}"
+
+
+@pytest.mark.parametrize("env, before, examples", [(None, "", 30), ("dev", "", 300), (None, "mine", 7)])
+def test_importing_minikv_testing_loads_the_profile_hypothesis_profile_names(env, before, examples):
+    """A script gets minikv's "ci" profile (30 examples per property), $HYPOTHESIS_PROFILE's when set,
+    and keeps a profile of its own loaded before the import."""
+    import os
+    import subprocess
+    import sys
+
+    own = ("from hypothesis import settings; settings.register_profile('mine', max_examples=7); "
+           "settings.load_profile('mine'); ") if before else ""
+    script = own + "import minikv.testing; from hypothesis import settings; print(settings.default.max_examples)"
+    environ = {k: v for k, v in os.environ.items() if k != "HYPOTHESIS_PROFILE"}
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                       env={**environ, **({"HYPOTHESIS_PROFILE": env} if env else {})})
+    assert p.stdout.split() == [str(examples)], p.stderr
 
 
 def test_minikv_testing_without_hypothesis_says_what_to_install():
