@@ -49,16 +49,16 @@ SCOPES = {
     "softfreeze": ([f"{POL}/softfreeze/schedule.py", f"{POL}/softfreeze/policy.py"],
                    [f"{T}/test_softfreeze_schedule.py", f"{T}/test_softfreeze_paper.py", f"{T}/test_softfreeze_kills.py",
                     "-k", "not one_pass"]),
-    "freekv": ([f"{POL}/freekv.py"],
+    "freekv": ([f"{POL}/freekv.py", f"{POL}/freekv_counts.py"],
                [f"{T}/test_freekv_paper.py", f"{T}/test_freekv.py", f"{T}/test_freekv_kills.py", *NOT_MODELS]),
     # paged.py serves freekv and icecache: both policies' tests judge it
-    "paged": ([f"{POL}/paged.py"], [f"{T}/test_paged.py", f"{T}/test_paged_kills.py", f"{T}/test_freekv_paper.py",
+    "paged": ([f"{POL}/paged.py", f"{POL}/paged_stats.py"], [f"{T}/test_paged.py", f"{T}/test_paged_kills.py", f"{T}/test_freekv_paper.py",
                                     f"{T}/test_freekv_kills.py", f"{T}/test_icecache.py", f"{T}/test_icecache_kills.py",
                                     *NOT_MODELS]),
     "icecache": ([f"{POL}/icecache/{m}.py" for m in ("tree", "search", "policy")],
                  [f"{T}/test_icecache_paper.py", f"{T}/test_dci.py", f"{T}/test_icecache.py",
                   f"{T}/test_icecache_kills.py", *NOT_MODELS]),
-    "synckv": ([f"{POL}/synckv/{m}.py" for m in ("bank", "clusters", "layer", "policy")],
+    "synckv": ([f"{POL}/synckv/{m}.py" for m in ("bank", "clusters", "layer", "accounting", "policy")],
                [f"{T}/test_synckv_paper.py", f"{T}/test_synckv_clusters.py", f"{T}/test_synckv.py",
                 f"{T}/test_synckv_kills.py", *NOT_MODELS]),
     # what every policy stands on (not a paper's step): the contract, parameters, tiers, pools, the
@@ -66,7 +66,7 @@ SCOPES = {
     # store, tiers, accounting and plugin tests, two policies' kill tests (their bytes and dtypes),
     # --help and a ragged batch
     "shared": ([f"{POL}/{m}.py" for m in ("contract", "registry", "stats", "params", "tiers", "pool", "worker",
-                                          "full")],
+                                          "overlap", "full")],
                [f"{T}/test_contract.py", f"{T}/test_spec.py", f"{T}/test_worker.py", f"{T}/test_recall_order.py",
                 f"{T}/test_paged.py", f"{T}/test_tiers.py", f"{T}/test_accounting.py", f"{T}/test_freekv_kills.py",
                 f"{T}/test_icecache_kills.py", "tests/test_plugins.py", *HELP, *RAGGED, *NOT_MODELS]),

@@ -17,11 +17,10 @@ paper's flow (FreeKVLayer.decode):
                          C_m < tau is drifted: one selection with q_t for all heads, the drifted
                          heads' pages recalled before attention (FreeKVLayer.correct)
     attend               sink + selected + window pages (paged.PagedKV.attend)
-    select the next      after attention, off the critical path: q_t's pages selected on the
-                         worker thread (policies/worker.py, overlap=true) while the model computes
-                         the next layers, and recalled in the background for step t + 1
-                         (FreeKVLayer.select_next; joined by recall_next before the layer's slots
-                         are next read or written)
+    select the next      after attention, q_t's pages for step t + 1 (FreeKVLayer.select_next),
+                         recalled in the background (recall_next); with overlap=true the two run
+                         beside the model's next layers (policies/overlap.py: the policy's rule
+                         stays this synchronous code)
 
     FreeKVLayer.select   group-consistent top-K per KV head, S_m = sum_j softmax(P_{(m-1)G+j}) / G
                          (kernels/page_scores); P_h[n] = sum_d max(q_d lo_{n,d}, q_d hi_{n,d})
@@ -58,8 +57,9 @@ from .contract import LayerKV, Policy, dense_attention, param
 from .registry import register
 from .full import FullLayer
 from .paged import DIGESTS, HostPages, PagedKV, PagedLayer, check_page_geometry
+from .freekv_counts import Counts, report
+from .overlap import background, policy_worker
 from .pool import Staging
-from .worker import policy_worker
 
 
 class FreeKVLayer(PagedLayer):
@@ -76,7 +76,6 @@ class FreeKVLayer(PagedLayer):
         self.G = cfg.n_heads // cfg.n_kv_heads
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.prev_q = None  # (Hq, D) the previous step's query, float32, each head of unit norm
-        self.pending = None  # select_next's work for the next step, until recall_next joins it
 
     # -- selection ---------------------------------------------------------------------------
     def select(self, q: torch.Tensor) -> torch.Tensor:
@@ -113,13 +112,6 @@ class FreeKVLayer(PagedLayer):
         best = mass.topk(k, dim=-1).indices  # (Hkv, k)
         return shortlist.gather(1, best.to(shortlist.device))
 
-    def _count_speculation(self, exact: torch.Tensor) -> None:
-        # did the pages chosen with q_{t-1} (what the slots hold) equal those q_t chooses? A set
-        # comparison per KV head, on the host-side bookkeeping
-        same = self.kv.holds(exact)
-        self.policy.spec_equal += sum(same)
-        self.policy.spec_compared += len(same)
-
     @staticmethod
     def _unit(q: torch.Tensor) -> torch.Tensor:
         # q (1, Hq, D) -> (Hq, D) float32 with unit rows (as F.cosine_similarity normalises, eps 1e-8)
@@ -140,9 +132,7 @@ class FreeKVLayer(PagedLayer):
     def decode(self, q, k, v, positions):
         # q (1, Hq, 1, D); k, v (1, Hkv, 1, D)
         q1 = q[:, :, 0]  # (1, Hq, D)
-        self.recall_next()  # the previous step's selection lands before anything touches the slots
         self.kv.append(k, v)
-        self.policy.layer_steps += 1
         if not self.policy.speculative:
             return self.quest_step(q1)[:, :, None]
         # 1. speculate: the slots hold the pages selected with q_{t-1}; which heads drifted?
@@ -153,9 +143,10 @@ class FreeKVLayer(PagedLayer):
         chosen = self.correct(q1, drifted) if drifted and any(drifted) else None
         # 3. attend
         out = self.kv.attend(q1)  # (1, Hq, D)
-        # 4. select the next step's pages with q_t, recalled in the background; a full last page
-        #    makes the oldest window page a candidate first (roll), so that it competes
-        self.select_next(q1, chosen, drifted, rolled=self.kv.roll())
+        # 4. select the next step's pages with q_t and recall them; a full last page makes the
+        #    oldest window page a candidate first (roll), so that it competes
+        rolled = self.kv.roll()
+        self.recall_next(self.select_next(q1, chosen, drifted, rolled))
         self.prev_q = q_unit
         return out[:, :, None]
 
@@ -172,59 +163,35 @@ class FreeKVLayer(PagedLayer):
         """The correction signal per KV head: C_m = mean over the group of cos(q_t, q_{t-1}) < tau.
         q_unit (Hq, D) unit rows -> (Hkv,) bools."""
         sim = (q_unit * self.prev_q).sum(-1)  # (Hq,) cosine similarities
-        drifted = (sim.view(-1, self.G).sum(1) / self.G < self.policy.tau).tolist()
-        self.policy.head_steps += self.kv.Hkv
-        return drifted
+        return (sim.view(-1, self.G).sum(1) / self.G < self.policy.tau).tolist()
 
     def correct(self, q1: torch.Tensor, drifted: list[bool]) -> torch.Tensor:
         """Fine-grained correction: one selection with q_t for every KV head; the drifted heads'
         pages are recalled now, before attention. -> the selection (Hkv, K)."""
-        pol = self.policy
-        pol.corrected_heads += sum(drifted)
-        pol.corrected_steps += 1
         chosen = self.select(q1)
-        self._count_speculation(chosen)
         self.kv.recall(chosen, heads=drifted)
         return chosen
 
-    def select_next(self, q1: torch.Tensor, chosen, drifted, rolled: bool) -> None:
-        """After attention, off the critical path: the pages step t + 1 reads, selected with q_t on
-        the policy's worker (in the background with overlap=true) while the model goes on; the
-        bookkeeping and the recall wait for recall_next. A correction's selection serves the heads
-        it did not recall; a new candidate (rolled) makes every head select again."""
-        fresh = rolled or (drifted is not None and chosen is None)
-        # the selection reads the candidate store (lo, hi, codes, n_cand), which nothing writes
-        # before recall_next; q1 is copied since the model owns its buffer
-        worker = self.policy.worker
-        job = worker.submit(self.select, q1.clone()) if fresh else None
-        self.pending = (job, chosen, drifted)
-        if not worker.background:  # the synchronous form: recalled now, in the step
-            self.recall_next()
+    def select_next(self, q1: torch.Tensor, chosen, drifted, rolled: bool):
+        """The pages step t + 1 reads, selected with q_t -> (pages (Hkv, K) or None, the KV heads
+        that recall them: None for all). A correction's selection serves the heads it did not
+        recall; a new candidate (rolled), or a step that chose without correcting, selects again
+        for every head. Reads q1 (1, Hq, D) and the candidate store (lo, hi, codes, n_cand) only."""
+        if rolled or (drifted is not None and chosen is None):
+            return self.select(q1), None
+        if chosen is not None:
+            return chosen, [not d for d in drifted]  # the corrected heads hold these pages already
+        return None, None  # every candidate is resident: nothing to choose
 
-    def recall_next(self) -> None:
-        """The join of select_next: its selection (re-raising the worker's error), the speculation's
-        count against what the slots hold, and the recall, in the synchronous form's order. Runs
-        before the layer's next step reads or writes its paged store, and at the policy's end_step."""
-        if self.pending is None:
-            return
-        job, chosen, drifted = self.pending
-        self.pending = None
-        heads = None  # all KV heads
-        if job is not None:
-            fresh = job.join()
-            if chosen is None and drifted is not None:
-                self._count_speculation(fresh)
-            chosen = fresh
-        elif chosen is not None:
-            heads = [not d for d in drifted]  # the corrected heads hold these pages already
-        if chosen is not None and (heads is None or any(heads)):
-            self.kv.recall(chosen, heads=heads, background=True)
+    def recall_next(self, selection) -> None:
+        """select_next's pages into the slots, in the background (a side stream on CUDA)."""
+        pages, heads = selection
+        if pages is not None and (heads is None or any(heads)):
+            self.kv.recall(pages, heads=heads, background=True)
 
-    def allocated_host_tokens(self) -> int:
-        return self.pages.max_pages * self.kv.P  # the host tier is preallocated for max_len
 
-    def attended_indices(self) -> torch.Tensor:
-        return self.kv.read_indices()
+# the layer that runs: the rule, with its statistics recorded beside it (freekv_counts.py)
+CountedLayer = type("FreeKVLayer", (Counts, FreeKVLayer), {"__module__": __name__})
 
 
 @register
@@ -278,49 +245,26 @@ class FreeKV(Policy):
             raise ValueError(f"skip_layers must be <= the model's {cfg.n_layers} layers, got {self.skip_layers}")
         if cfg.sliding_window is not None and cfg.sliding_window < self.max_len:
             raise ValueError("freekv does not combine with a sliding-window model (Mistral) shorter than max_len")
-        self.reset_counters()
-
-    def reset_counters(self) -> None:
-        self.layer_steps = self.head_steps = self.corrected_heads = self.corrected_steps = 0
-        self.spec_equal = self.spec_compared = 0
 
     def allocate_shared(self) -> None:
         # one pair of staging buffers for all layers (they recall one after another)
         self.staging = Staging((self.cfg.n_kv_heads * self.n_select, 2, self.page_size, self.cfg.head_dim),
                                self.dtype, self.tiers)
-        # select_next's thread (policies/worker.py): kept across binds (generate calls); on
-        # backend=eager only: reference is the readable form, and Triton's CPU interpreter is not
-        # thread-safe (on CUDA the recall already runs on a side stream; the kernels untried here)
+        # the worker that runs select_next beside the model (policies/overlap.py), kept across
+        # binds (generate calls); on backend=eager only: reference is the readable form, and
+        # Triton's CPU interpreter is not thread-safe (on CUDA the recall already runs on a side
+        # stream; the kernels untried here)
         self.worker = policy_worker(self, self.overlap and self.speculative and self.backend == "eager")
 
-    def finish_steps(self) -> None:
-        """Join every layer's select_next: the slots then hold what the synchronous form's do."""
-        for layer in self.layers:
-            if isinstance(layer, FreeKVLayer):
-                layer.recall_next()
-
-    def end_step(self, logits=None):
-        # the step's accounting (device tokens) reads the slots as the synchronous form leaves them
-        self.finish_steps()
-        return super().end_step(logits)
-
     def make_layer(self, index: int) -> LayerKV:
-        return FullLayer(self, index) if index < self.skip_layers else FreeKVLayer(self, index)
+        if index < self.skip_layers:
+            return FullLayer(self, index)
+        return (background(CountedLayer) if self.worker.background else CountedLayer)(self, index)
 
     def aux_bytes(self) -> tuple[int, int]:
         return self.staging.nbytes()
 
     def stats(self) -> dict:
-        self.finish_steps()
-        s = super().stats()
-        paged = [layer for layer in self.layers if isinstance(layer, FreeKVLayer)]
-        recalled = sum(layer.kv.pages_recalled for layer in paged)
-        decode_steps = max(self.steps - 1, 0)
-        s.update({
-            "correction_rate": self.corrected_heads / self.head_steps if self.head_steps else 0.0,
-            "correction_step_rate": self.corrected_steps / self.layer_steps if self.layer_steps else 0.0,
-            "pages_recalled": recalled,
-            "pages_recalled_per_step": recalled / decode_steps if decode_steps else float(recalled),
-            "speculative_exact_rate": self.spec_equal / self.spec_compared if self.spec_compared else float("nan"),
-        })
+        s = super().stats()  # (its device_tokens land every layer's selection: overlap.py)
+        s.update(report([layer for layer in self.layers if isinstance(layer, FreeKVLayer)], max(self.steps - 1, 0)))
         return s

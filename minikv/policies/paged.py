@@ -19,7 +19,8 @@ Where to read what:
     PagedKV.recall, _copy_in       incremental recall: only pages not already resident are
                                    copied, into the slots of pages that left the selection
                                    (pool.refill), through Tiers.copy_in
-    PagedKV.attend, read_indices   attention over every occupied slot; the tokens it read
+    PagedKV.attend                 attention over every occupied slot (recording what it read:
+                                   paged_stats.py counts the tiers and the tokens read)
     HostPages                      freekv's store: host (max_pages, Hkv, 2, P, D), HND, so one
                                    page of one head is one contiguous block of 2 P D elements
     page_digest                    lo, hi per channel: min/max (FreeKV's text, Quest's bound) or
@@ -40,7 +41,7 @@ import torch
 from ..kernels.page_gather import page_gather
 from ..kernels.page_scores import pack_codes
 from ..kernels.page_layout import hnd_to_nhd, nhd_to_hnd
-from .contract import LayerKV
+from .paged_stats import PagedLayer, PagedStats  # noqa: F401  (PagedLayer: the layers' base, its accounting)
 from .pool import PagePool, Staging, refill
 from .tiers import backend_on
 
@@ -118,9 +119,9 @@ class HostPages:
         return sum(t.numel() * t.element_size() for t in (self.lo, self.hi, self.codes) if t is not None), 0
 
 
-class PagedKV:
+class PagedKV(PagedStats):
     """Paged KV of one layer for one sequence (batch 1): a PagePool and a candidate store (see the
-    module docstring)."""
+    module docstring); what it holds and what attention read are counted in paged_stats.py."""
 
     def __init__(self, *, candidates, n_kv: int, head_dim: int, page_size: int, max_len: int, n_sink: int,
                  n_select: int, n_window: int, dtype: torch.dtype, tiers, backend: str = "eager",
@@ -159,14 +160,6 @@ class PagedKV:
     def resident(self) -> torch.Tensor:
         """(Hkv, n_select) int64: the candidate in each selected slot, -1 = empty."""
         return torch.tensor(self.held, dtype=torch.int64)
-
-    def device_tokens(self) -> float:
-        # = page_lens.sum() / Hkv without a tensor op: the sink and window slots hold every token
-        # that is not a candidate
-        return self.length - self.n_cand * self.P + sum(map(sum, self.held_lens)) / self.Hkv
-
-    def host_tokens(self) -> int:
-        return self.n_cand * self.P
 
     # -- writing -----------------------------------------------------------------------------
     def prefill(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -287,40 +280,3 @@ class PagedKV:
         self.last_read = (self.length, self.n_cand, [list(row) for row in self.held],
                           [list(row) for row in self.held_lens])
         return self.pool.attend(q)
-
-    def read_indices(self) -> torch.Tensor:
-        """(Hkv, n) int64: the token indices the last attend() read per KV head (sink pages,
-        selected candidates, window), -1 padding: what attention recall is measured against."""
-        length, n_cand, held, lens = self.last_read
-        P, sink_end = self.P, min(length, self.n_sink * self.P)
-        window = list(range((self.n_sink + n_cand) * P, length))  # empty while the sinks hold all
-        rows = []
-        for h in range(self.Hkv):
-            pages = sorted((c, n) for c, n in zip(held[h], lens[h]) if c >= 0)
-            selected = [t for c, n in pages for t in self.candidates.page_tokens(h, c, n, self.n_sink * P)]
-            rows.append(list(range(sink_end)) + selected + window)
-        width = max(map(len, rows))
-        return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int64)
-
-    def aux_bytes(self) -> tuple[int, int]:
-        """(device, host) bytes besides the K/V slots: page table, lengths and the store's own
-        (the staging buffers are the policy's: `Staging.nbytes`)."""
-        device, host = self.candidates.aux_bytes()
-        return device + self.pool.aux_bytes(), host
-
-
-class PagedLayer(LayerKV):
-    """A policy's layer whose KV lives in a PagedKV (`self.kv`): its tier accounting is the
-    paged store's. Subclasses add what they reserve on the host and aux buffers of their own."""
-
-    def device_tokens(self) -> float:
-        return self.kv.device_tokens()
-
-    def host_tokens(self) -> int:
-        return self.kv.host_tokens()
-
-    def allocated_device_tokens(self) -> int:
-        return self.kv.S * self.kv.P
-
-    def aux_bytes(self) -> tuple[int, int]:
-        return self.kv.aux_bytes()  # the pool's page table and lengths, the store's digests

@@ -95,7 +95,8 @@ def test_own_oracle_tells_the_digests_apart():
 
 
 def test_a_head_is_corrected_only_below_tau_and_each_correcting_step_counts_once():
-    """C_m < tau drifts (a mean cosine exactly tau does not), and `correct` counts one step."""
+    """C_m < tau drifts (a mean cosine exactly tau does not); freekv_counts records each judging
+    step's heads, a correcting step once, and arms the step's one speculation comparison."""
     policy = make(SPEC.replace("tau=0.9", "tau=0.5")).bind(CFG, device=DEVICE, dtype=torch.float32, max_len=64)
     layer = policy.layers[0]
     G, D = CFG.n_heads // CFG.n_kv_heads, CFG.head_dim
@@ -104,12 +105,15 @@ def test_a_head_is_corrected_only_below_tau_and_each_correcting_step_counts_once
     now[:, 0], now[:, 1] = 0.5, math.sqrt(3) / 2  # cos exactly 0.5 for KV head 0's queries...
     now[G:, 0], now[G:, 1] = 0.25, math.sqrt(15) / 4  # ...and 0.25 for KV head 1's
     layer.prev_q = prev.to(DEVICE)
-    assert layer.drifted_heads(now.to(DEVICE)) == [False, True]
-    q, k, v = (torch.randn(1, H, 30, D).to(DEVICE) for H in (CFG.n_heads, CFG.n_kv_heads, CFG.n_kv_heads))
-    layer.prefill(q, k, v, None)
     for _ in range(2):
-        layer.correct(q[:, :, -1], [False, True])
-    assert (policy.corrected_steps, policy.corrected_heads) == (2, 2)
+        assert layer.drifted_heads(now.to(DEVICE)) == [False, True]
+    assert layer.drifted_heads(prev.to(DEVICE)) == [False, False]
+    assert (layer.corrected_steps, layer.corrected_heads, layer.head_steps) == (2, 2, 3 * CFG.n_kv_heads)
+    q, k, v = (torch.randn(1, H, 30, D).to(DEVICE) for H in (CFG.n_heads, CFG.n_kv_heads, CFG.n_kv_heads))
+    layer.prefill(q, k, v, None)  # its selection is compared: drifted_heads armed the comparison
+    assert layer.spec_compared == CFG.n_kv_heads and not layer.comparing
+    layer.select(q[:, :, -1])  # once per judging step
+    assert layer.spec_compared == CFG.n_kv_heads
 
 
 def test_prefill_output_the_unit_query_and_the_step_counts():
@@ -128,7 +132,7 @@ def test_prefill_output_the_unit_query_and_the_step_counts():
         layer.decode(*(torch.randn(1, H, 1, D, generator=g).to(DEVICE) for H in (CFG.n_heads,) + (CFG.n_kv_heads,) * 2),
                      None)
         policy.end_step()
-    assert policy.layer_steps == 3
+    assert layer.decode_steps == 3
     small = torch.randn(1, CFG.n_heads, D, generator=g) * 0.01
     norms = torch.linalg.vector_norm(layer._unit(small.to(DEVICE)), dim=-1)
     torch.testing.assert_close(norms.cpu(), torch.ones(CFG.n_heads))
@@ -156,8 +160,8 @@ def test_the_speculation_hit_rate_counts_every_head_of_every_comparison():
     other = held.clone()
     other[0, 0] = -1  # KV head 0 one page short: not the slots' pages
     for selection in (held, held, other):
-        layer._count_speculation(selection)
-    assert (policy.spec_equal, policy.spec_compared) == (5, 6)
+        layer.count_speculation(selection)
+    assert (layer.spec_equal, layer.spec_compared) == (5, 6)
     assert policy.stats()["speculative_exact_rate"] == 5 / 6
 
 
@@ -184,8 +188,8 @@ def test_the_step_counts_and_rates_count_only_steps_that_choose():
         paper.decode(q[0], k[0, :, 0], v[0, :, 0])
         choosing += paper.choosing
     Hkv, s, recalled = CFG.n_kv_heads, policy.stats(), layer.kv.pages_recalled
-    assert choosing == 5 and (policy.head_steps, policy.spec_compared) == (Hkv * 5, Hkv * 5)
-    assert (policy.corrected_steps, policy.layer_steps) == (2, 11) and s["correction_step_rate"] == 2 / 11
+    assert choosing == 5 and (layer.head_steps, layer.spec_compared) == (Hkv * 5, Hkv * 5)
+    assert (layer.corrected_steps, layer.decode_steps) == (2, 11) and s["correction_step_rate"] == 2 / 11
     assert recalled > 0 and s["pages_recalled_per_step"] == recalled / 11
 
 

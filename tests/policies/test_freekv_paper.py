@@ -129,13 +129,13 @@ def run(spec, speculative=True, T=61, steps=30, seed=0):
         for layer, paper, ql in zip(policy.layers, papers, qs):
             q = ql[T + t][None, :, None]
             k, v = torch.randn(1, Hkv, 1, D, generator=g), torch.randn(1, Hkv, 1, D, generator=g)
-            before = policy.corrected_heads
+            before = layer.corrected_heads
             out = layer.decode(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)[0, :, 0].cpu()
             want, reads, corrected = paper.decode(q[0, :, 0], k[0, :, 0], v[0, :, 0])
             got = [set(r) - {-1} for r in layer.attended_indices().tolist()]
             counted = len(corrected) if paper.choosing else 0  # the library counts only where it chooses
             rows.append((got, reads, float((out.double() - want).abs().max()), corrected,
-                         policy.corrected_heads - before, counted))
+                         layer.corrected_heads - before, counted))
         policy.end_step()
     return rows
 

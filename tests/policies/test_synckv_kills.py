@@ -117,7 +117,6 @@ def test_what_each_tier_holds_and_what_moved(paper_clusters, nr_reads, offload):
     for _ in range(steps):
         before = [set(d) - {-1} for d in layer.dynamic]
         layer.decode(*(torch.randn(1, n, 1, D, generator=g).to(DEVICE) for n in (H, Hkv, Hkv)), None)
-        layer.fetch_dynamic()  # the worker's last choice joined (synchronous here)
         L = layer.length
         rows = layer.attended_indices().tolist()
         nr_read = sum(len(set(rows[h]) - {-1}) for h in layer.nr_heads)

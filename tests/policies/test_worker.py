@@ -114,12 +114,33 @@ def test_freekv_worker_gives_the_synchronous_tokens_on_smollm2(smollm2):
 
 
 def test_reference_and_plain_quest_stay_synchronous():
+    """The synchronous form is the rule's class as written (no kept recall to land); overlap.py's
+    background form only where the worker runs in the background."""
     cfg = tiny_model("llama_gqa").cfg
     for spec in ("freekv:backend=reference", "freekv:backend=triton", "freekv:speculative=false",
                  "freekv:overlap=false"):
         policy = make(spec).bind(cfg, device="cpu", dtype=torch.float32, max_len=64)
         assert threads(policy) == 0 and thread_counts(policy, 1) == {"intra_op_threads": 1, "worker_threads": 0,
                                                                      "threads": 1}
+        assert not any(hasattr(layer, "land") for layer in policy.layers)
+    policy = make("freekv:overlap=true").bind(cfg, device="cpu", dtype=torch.float32, max_len=64)
+    assert all(hasattr(layer, "land") for layer in policy.layers)
+
+
+def test_the_rules_modules_leave_the_worker_to_overlap():
+    """freekv.py and synckv's layer.py and policy.py import no worker: policies/overlap.py
+    schedules the selection beside the model."""
+    import ast
+    import pathlib
+
+    import minikv.policies.freekv as freekv
+    import minikv.policies.synckv.layer as layer
+    import minikv.policies.synckv.policy as policy
+
+    for module in (freekv, layer, policy):
+        tree = ast.parse(pathlib.Path(module.__file__).read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert "worker" not in imported and not any(name.endswith(".worker") for name in imported if name), module
 
 
 # -- freekv: the join precedes every read or write of the layer's store ---------------------------
@@ -146,10 +167,14 @@ class RecordingWorker(Worker):
 
 
 STORE_METHODS = ("append", "roll", "recall", "attend", "holds", "store", "prefill")
+READS = ("holds",)  # of STORE_METHODS, those that write nothing
 
 
 def test_the_join_comes_before_every_read_or_write_of_the_layers_store():
-    model, log = tiny_model("llama_gqa"), []
+    """On the model's thread a layer's store is read or written only once its selection has been
+    joined; the job itself (the worker's thread: select_next, and the speculation count beside
+    it) only reads it."""
+    model, log, main = tiny_model("llama_gqa"), [], threading.get_ident()
     ids = torch.randint(0, model.cfg.vocab_size, (1, 60), generator=torch.Generator().manual_seed(3))
     T = ids.shape[1]
     policy = make("freekv:page_size=4,budget=24,sink=4,window=8,tau=-1")
@@ -160,19 +185,22 @@ def test_the_join_comes_before_every_read_or_write_of_the_layers_store():
             method = getattr(layer.kv, name)
 
             def recorded(*a, _m=method, _n=name, _i=layer.index, **k):
-                log.append((_n, _i))
+                log.append((_n, _i) if threading.get_ident() == main else (f"worker {_n}", _i))
                 return _m(*a, **k)
             setattr(layer.kv, name, recorded)
     out = model(ids, policy=policy, logits_at=torch.tensor([T - 1]))
     for t in range(T, T + 24):
         out = model(out.argmax(-1)[:, None], positions=torch.tensor([[t]]), policy=policy, logits_at=torch.tensor([0]))
     assert sum(e == "submit" for e, _ in log) > 24  # most steps selected on the worker, in both layers
+    assert any(e == "worker holds" for e, _ in log)  # tau=-1: no correction, q_t's pages compared there
     pending = set()
     for event, layer in log:
         if event == "submit":
             pending.add(layer)
         elif event == "join":
             pending.discard(layer)
+        elif event.startswith("worker "):
+            assert event.removeprefix("worker ") in READS and layer in pending, (event, layer)
         else:  # a read or write of the layer's paged store: its selection has been joined
             assert layer not in pending, (event, layer)
     assert not pending  # end_step joined the last step's

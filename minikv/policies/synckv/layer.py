@@ -57,11 +57,8 @@ class SyncKVLayer(LayerKV):
                                 tiers=policy.tiers, offload=self.offload, staging=policy.staging)
         self.static = [[] for _ in self.clusters]  # per cluster: token indices, slot order
         self.dynamic = [[-1] * self.k_dyn for _ in self.clusters]  # per cluster: token held by each dynamic slot
-        self.read_dynamic, self.read_window = self.dynamic, range(0)  # what the last step read
         self.T = self.length = self.step = 0
         self.start = 0  # the recent window is tokens [start, length); tokens before it are candidates
-        self.anticipations = self.fetched = 0  # tokens copied host -> device, per NR-head
-        self.pending = None  # the last anticipation's top-k on the worker, until fetch_dynamic joins it
 
     # -- where tokens are ----------------------------------------------------------------------
     def window_tokens(self) -> range:
@@ -135,7 +132,6 @@ class SyncKVLayer(LayerKV):
             k_nr, v_nr = k[0, self.nr_heads], v[0, self.nr_heads]  # (Hn, T, D)
             self.bank.write_prompt(k_nr, v_nr)  # Algorithm 1 line 12: the NR-heads' KV goes whole
             self.initialize(q[:, :, -1], k_nr, v_nr)
-        self.read_dynamic, self.read_window = list(self.dynamic), self.read_window_tokens()
         return out
 
     def initialize(self, q_last, k_nr, v_nr):
@@ -170,7 +166,6 @@ class SyncKVLayer(LayerKV):
 
     def decode(self, q, k, v, positions):
         # q (1, Hq, 1, D); k, v (1, Hkv, 1, D)
-        self.fetch_dynamic()  # the last anticipation's sets land before anything touches the store
         self.append(k, v)
         L, backend = self.length, self.policy.backend
         q1 = q[:, :, 0]  # (1, Hq, D)
@@ -186,15 +181,14 @@ class SyncKVLayer(LayerKV):
             out[:, self.nr_queries] = gathered_attention(q1[:, self.nr_queries], self.bank.store_k, self.bank.store_v,
                                                          self.nr_index(), backend=backend)
         self.step += 1
-        self.read_window = self.read_window_tokens()  # what this step read (the rest may change below)
-        self.read_dynamic = list(self.dynamic)
         if not self.nr_heads:
             return out[:, :, None]
         if not self.policy.anticipation:  # nothing will ever judge a token that leaves: it leaves now
             self.slide_window()
         elif self.step % self.policy.m == 0:
             self.slide_window()
-            self.anticipate(q_r, lse_r)  # lines 26-31, for the steps that follow
+            if self.k_dyn:  # lines 26-31, for the steps that follow (rho = 1: no dynamic set to choose)
+                self.fetch_dynamic(self.top_dynamic(q_r, lse_r, self.start))
         return out[:, :, None]
 
     def slide_window(self):
@@ -219,39 +213,23 @@ class SyncKVLayer(LayerKV):
             self.bank.push(self.ring_slot(p) if self.offload else p, k_nr, v_nr)
         self.length = p + 1
 
-    def anticipate(self, q_r, lse_r):
-        """Eqs. 5-7: each R-head's top k_dyn among the tokens before the window (window=0: all of
-        them, the current token included), not static (exclude_static=false: static too), then
-        fetch. The top-k runs on the policy's worker (overlap=true) while the model computes the
-        next layers: it reads the R-heads' keys and `selectable` before `start`, which nothing
-        writes before fetch_dynamic, the join, at this layer's next step."""
-        # q_r (1, Hr*G, D); lse_r (1, Hr*G): this step's R-head queries and their normalisers
-        self.anticipations += 1
-        if self.k_dyn == 0:  # rho = 1: no dynamic set to choose
-            return
-        worker = self.policy.worker
-        self.pending = worker.submit(self.top_dynamic, q_r.clone(), lse_r.clone(), self.start)
-        if not worker.background:  # the synchronous form: the sets change at this step, as Algorithm 1 writes it
-            self.fetch_dynamic()
-
     def top_dynamic(self, q_r, lse_r, n: int) -> list[list[int]]:
-        """Eq. 6: per cluster (R-head), the k_dyn selectable tokens among [0, n) of most attention."""
+        """Eqs. 5-6, an anticipation: per cluster (R-head), the k_dyn selectable tokens among [0, n)
+        (before the window, window=0: all of them, the current token included; not static,
+        exclude_static=false: static too) of most attention. q_r (1, Hr*G, D), lse_r (1, Hr*G): this
+        step's R-head queries and their normalisers. Reads the R-heads' keys and `selectable`
+        before n, and writes nothing (policies/overlap.py may run it beside the model)."""
         _, top = attention_topk(q_r, self.kr[:, :, :n], lse_r, torch.tensor([n], device=q_r.device),
                                 self.selectable[:, :, :n], self.k_dyn, backend=self.policy.backend)
         return top[0].tolist()
 
-    def fetch_dynamic(self):
-        """The join of anticipate: the new dynamic sets (the worker's error re-raised here) and
-        their fetch (Eq. 7)."""
-        if self.pending is None:
-            return
-        top, self.pending = self.pending.join(), None
+    def fetch_dynamic(self, top: list[list[int]]) -> None:
+        """The new dynamic sets, top_dynamic's, and their fetch (Eq. 7)."""
         moves = []  # (cluster, dynamic slot, token)
         for c, row in enumerate(top):
             if len(self.clusters[c]) == 1 and not self.union:
                 continue  # a cluster of its R-head alone has nobody to serve
-            self.dynamic[c] = held = list(self.dynamic[c])  # a new list: read_dynamic keeps the old one
-            moves += [(c, j, t) for t, j in refill(held, row)]
+            moves += [(c, j, t) for t, j in refill(self.dynamic[c], row)]
         if self.offload and moves:
             self.fetch(moves)
 
@@ -260,56 +238,4 @@ class SyncKVLayer(LayerKV):
         cluster's chosen dynamic slot."""
         rows = [(j, t, self.dynamic_slot(c, slot)) for j, own in enumerate(self.nr_cluster)
                 for c, slot, t in moves if self.union or c == own]
-        self.fetched += len(rows)
         self.bank.fetch(rows)
-
-    # -- what was read, and where it lives --------------------------------------------------------
-    def budget_heads(self):
-        return self.nr_heads  # the R-heads keep full KV: the budget bounds the others
-
-    def attended_indices(self) -> torch.Tensor | None:
-        """(Hkv, n) int64 token indices the last decode step read per KV head, -1 padded; None
-        when every head read every token."""
-        L = self.length
-        rows = {h: list(range(L)) for h in self.r_heads}
-        rows.update({h: self.last_read(c) for h, c in zip(self.nr_heads, self.nr_cluster)})
-        if all(len(r) == L for r in rows.values()):
-            return None
-        n = max(len(r) for r in rows.values())
-        return torch.tensor([rows[h] + [-1] * (n - len(rows[h])) for h in range(self.cfg.n_kv_heads)])
-
-    def last_read(self, c: int) -> list[int]:
-        """The tokens an NR-head of cluster c read at the last step: static, dynamic, window."""
-        sets = [t for g in self.read_clusters(c) for t in self.static[g]]
-        sets += [t for g in self.read_clusters(c) for t in self.read_dynamic[g] if t >= 0]
-        return list(dict.fromkeys(sets)) + list(self.read_window)
-
-    def nr_read(self) -> int:
-        """Tokens the NR-heads read at the last step, summed (counted, not listed: end_step asks
-        every step)."""
-        if self.dedup:
-            return sum(len(self.last_read(c)) for c in self.nr_cluster)
-        n_window = len(self.read_window)
-        per_cluster = [len(s) + sum(t >= 0 for t in d) + n_window for s, d in zip(self.static, self.read_dynamic)]
-        return sum(per_cluster[c] for c in self.nr_cluster)
-
-    def device_tokens(self) -> float:
-        return (len(self.r_heads) * self.length + self.nr_read()) / self.cfg.n_kv_heads
-
-    def resident_tokens(self) -> float:
-        """KV held on the device per KV head (for Mem%): w/o initialization, all of it."""
-        return self.device_tokens() if self.offload or not self.nr_heads else float(self.length)
-
-    def host_tokens(self) -> float:
-        n = max(self.T, self.start) if self.offload else 0  # the prompt, and generated tokens past the window
-        return len(self.nr_heads) * n / self.cfg.n_kv_heads
-
-    def allocated_device_tokens(self) -> float:
-        Hr, Hn, Hkv = len(self.r_heads), len(self.nr_heads), self.cfg.n_kv_heads
-        return (Hr * self.kr.shape[2] + Hn * self.bank.store_k.shape[2]) / Hkv
-
-    def allocated_host_tokens(self) -> float:
-        return len(self.nr_heads) * self.kr.shape[2] / self.cfg.n_kv_heads if self.offload else 0
-
-    def aux_bytes(self) -> tuple[int, int]:
-        return self.selectable.numel() * self.selectable.element_size(), 0

@@ -18,11 +18,12 @@ NR-heads. Where to read what (Algorithm 1's lines):
                              their own cluster or, nr_reads=union, the union over all clusters
                              (SyncKVLayer.read_slots); every m-th step anticipates, the others
                              are suspension steps (Eq. 8, lines 33-35)
-    SyncKVLayer.anticipate   Eqs. 5-7, lines 26-31: the R-head's top k_dyn, max-pooled over its
-                             GQA group (App. B.1), among the candidates (top_dynamic, on a worker
-                             thread with overlap=true: the step's q and lse are all it needs, as
-                             Sec. 4.5 overlaps the anticipation's work with the forward); at the
-                             layer's next step fetch_dynamic joins it and `fetch` copies them in
+    SyncKVLayer.top_dynamic  Eqs. 5-6, lines 26-31: the R-head's top k_dyn, max-pooled over its
+                             GQA group (App. B.1), among the candidates; fetch_dynamic makes them
+                             the dynamic sets and `fetch` copies them in (Eq. 7). With overlap=true
+                             top_dynamic runs beside the model and the fetch lands at the layer's
+                             next step (policies/overlap.py): the step's q and lse are all it
+                             needs, as Sec. 4.5 overlaps the anticipation's work with the forward
     SyncKV.split             k = budget less the window ring's slots, into static and dynamic
 
 The paper's rules: `synckv:paper` (preset=paper: wide_layers=0, nr_reads=union, window=0,
@@ -54,10 +55,14 @@ from dataclasses import dataclass
 
 from ..contract import Policy, param
 from ..registry import register
+from ..overlap import background, policy_worker
 from ..pool import Staging
-from ..worker import policy_worker
+from .accounting import Accounting, report
 from .clusters import FORMAT, config_sha256, find_clustering, least_agreeing_layers, read_similarity
 from .layer import SyncKVLayer
+
+# the layer that runs: the rule, with its accounting beside it (accounting.py)
+AccountedLayer = type("SyncKVLayer", (Accounting, SyncKVLayer), {"__module__": __name__})
 
 
 def paper_n_r(cfg) -> int:
@@ -197,31 +202,20 @@ class SyncKV(Policy):
         n_sets = max(len(layer["clusters"]) for layer in self.clustering) if self.nr_reads == "union" else 1
         rows = n_nr * n_sets * self.k_dyn
         self.staging = Staging((2 * max(1, rows), self.cfg.head_dim), self.dtype, self.tiers) if self.offload else None
-        # anticipation's top-k on a worker thread (policies/worker.py), backend=eager only (as freekv's)
+        # the worker that runs the anticipation's top-k beside the model (policies/overlap.py),
+        # backend=eager only (as freekv's)
         self.worker = policy_worker(self, self.overlap and self.anticipation and self.backend == "eager")
 
     def make_layer(self, index: int) -> SyncKVLayer:
-        return SyncKVLayer(self, index)
+        if self.worker.background:
+            return background(AccountedLayer, "top_dynamic", "fetch_dynamic")(self, index)
+        return AccountedLayer(self, index)
 
     def aux_bytes(self) -> tuple[int, int]:
         return self.staging.nbytes() if self.staging is not None else (0, 0)
 
     def stats(self) -> dict:
-        for layer in self.layers:
-            layer.fetch_dynamic()  # the last anticipation's fetch, counted
-        s = super().stats()
-        layers = self.layers
-        n_ant = sum(layer.anticipations for layer in layers)
-        n_nr = sum(len(layer.nr_heads) for layer in layers) / max(len(layers), 1)
-        fetched = sum(layer.fetched for layer in layers)
-        full = sum(layer.length for layer in layers)
-        s.update({
-            "anticipation_steps": max((layer.anticipations for layer in layers), default=0),
-            # tokens copied host -> device per NR-head per layer, per anticipation
-            "tokens_fetched": fetched,
-            "tokens_fetched_per_anticipation": fetched / n_ant / n_nr if n_ant and n_nr else 0.0,
-            "mem_percent": 100.0 * sum(layer.resident_tokens() for layer in layers) / full if full else 0.0,
-            "clustering_file": str(self.clustering_file),
-            "n_r": self.n_r_bound,  # the clusters per layer it ran (preset=paper: the paper's for the model)
-        })
+        s = super().stats()  # (its device_tokens land every layer's fetch: overlap.py)
+        # n_r: the clusters per layer it ran (preset=paper: the paper's for the model)
+        s.update(report(self.layers), clustering_file=str(self.clustering_file), n_r=self.n_r_bound)
         return s

@@ -1,0 +1,69 @@
+"""What runs beside the model: a layer's selection for its next step, scheduled here, never in
+the policy's rule (as nano-vllm keeps overlap in its engine and out of its block manager).
+
+A layer whose decode step ends by choosing what its next step reads states that choice as two
+plain functions, and its decode calls them in the paper's order:
+
+    selection = self.select_next(*what_it_reads)   reads the step's query and the layer's
+                                                   candidates; writes nothing
+    self.recall_next(selection)                    brings the chosen KV to the device
+
+That is the synchronous form, the class itself (the `reference` backend always runs it). Its
+background form, `background(cls)`, is the same class with those two calls moved off the
+critical path (FreeKV's speculative retrieval, "FreeKV: Boosting KV Cache Retrieval for
+Efficient LLM Inference", G. Liu et al., ICLR 2026, https://arxiv.org/abs/2505.13109: step t's
+selection runs while the model computes the following layers):
+
+    select_next     submitted to the policy's worker (policies/worker.py) with copies of its
+                    tensors (the model reuses its buffers); the model goes on
+    recall_next     kept, not run: the layer lands it (joins the selection, then recalls) at
+                    its next entry, before anything reads or writes its store: the next decode,
+                    or the accounting end_step and stats() ask for (device_tokens & co.)
+
+Both forms call the same two functions with the same arguments, and the recall lands before the
+layer's store is next read or written, so they give the same results by construction, provided
+select_next reads nothing the model writes in between (its docstring says what it reads;
+tests/policies/test_worker.py checks the order and the logits, bit for bit).
+"""
+from __future__ import annotations
+
+from functools import cache
+from types import MethodType
+
+import torch
+
+from .worker import policy_worker  # noqa: F401  (the worker a policy keeps, re-exported for it)
+
+
+@cache
+def background(cls: type, select: str = "select_next", recall: str = "recall_next") -> type:
+    """The background form of the layer class `cls`, whose decode ends by
+    `self.<recall>(self.<select>(...))`."""
+    chosen, recalled = getattr(cls, select), getattr(cls, recall)
+
+    def submit(self, *args):
+        args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+        return self.policy.worker.submit(MethodType(chosen, self), *args)
+
+    def keep(self, job) -> None:
+        self.next_job = job
+
+    def land(self) -> None:
+        """The kept recall_next, with its selection (the worker's error re-raised here)."""
+        job, self.next_job = getattr(self, "next_job", None), None
+        if job is not None:
+            recalled(self, job.join())
+
+    def landing(name: str):
+        method = getattr(cls, name)
+
+        def entry(self, *args):
+            self.land()
+            return method(self, *args)
+        entry.__name__ = entry.__qualname__ = name
+        return entry
+
+    entries = ("prefill", "decode", "device_tokens", "host_tokens", "attended_indices")
+    body = {select: submit, recall: keep, "land": land, **{name: landing(name) for name in entries}}
+    doc = f"{cls.__name__} in the background form (overlap.py)."
+    return type(cls.__name__, (cls,), {"__module__": __name__, "__doc__": doc, **body})
