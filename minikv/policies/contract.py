@@ -212,6 +212,11 @@ class Policy(TierStats, ABC):
         return positions
 
     # -- per step --------------------------------------------------------------------------
+    def read_bound(self, budget: int) -> int:
+        """The most tokens a decode step may read for one KV head of budget_heads at `budget`
+        (what check_policy holds): the budget, unless the rule reads past it (synckv's union)."""
+        return budget
+
     def end_step(self, logits: torch.Tensor | None = None) -> StepAction | None:
         """Called by the model after every forward (prefill included), on the next-token logits
         (B, V). A policy that asks something of the loop (softfreeze's rewind) overrides this,

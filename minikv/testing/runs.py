@@ -34,8 +34,10 @@ def _check_budget(policy, budget, where, spec):
         read = layer.attended_indices()
         for h in layer.budget_heads():
             most = max(most, layer.device_tokens() if read is None else int((read[h] >= 0).sum()))
-    if not 0 < most <= budget:
-        _fail(where, f"budget: a decode step of {spec} read {most} tokens for one KV head (declared small_budget {budget})")
+    bound = policy.read_bound(budget)  # the budget, or what the rule reads at it (synckv's union)
+    if not 0 < most <= bound:
+        _fail(where, f"budget: a decode step of {spec} read {most} tokens for one KV head (declared small_budget "
+                     f"{budget}: at most {bound} read)")
 
 
 def greedy(model, ids, spec, new) -> tuple[list[int], dict]:

@@ -142,3 +142,14 @@ def test_a_token_listed_twice_in_attended_indices_is_named_a_duplicate(monkeypat
     with pytest.raises(PolicyContractError, match=r"attended: layer 0, KV head 0 at position 80: attended_indices\(\) "
                                                   r"lists token \d+ more than once \(a duplicate"):
         check_policy("h2o", **QUICK)
+
+
+def test_synckv_paper_is_held_to_what_its_union_reads_and_no_more(monkeypatch):
+    """synckv:paper's NR-heads read the union of every cluster's sets (Algorithm 1 line 23): up to
+    N_r (k_static + k_dyn) tokens at a budget of k. check_policy holds them to that bound, not to
+    the budget alone (which the paper's rule passes by design), and still fails a read past it."""
+    check_policy("synckv:paper,budget=24,m=3", families=("llama_gqa",), smollm2=False, backends=("eager",))
+    from minikv.policies.synckv.policy import SyncKV
+    monkeypatch.setattr(SyncKV, "read_bound", lambda self, budget: budget)  # the budget alone
+    with pytest.raises(PolicyContractError, match="budget: a decode step of synckv:paper"):
+        check_policy("synckv:paper,budget=24,m=3", families=("llama_gqa",), smollm2=False, backends=("eager",))

@@ -180,6 +180,14 @@ class SyncKV(Policy):
             if not ok or any(r not in c for r, c in zip(layer["r_heads"], layer["clusters"])):
                 raise ValueError(f"{self.clustering_file}: layer {i}'s clusters do not partition the KV heads")
 
+    def read_bound(self, budget: int) -> int:
+        # nr_reads=union (Algorithm 1 line 23): an NR-head reads every cluster's static and dynamic
+        # sets, up to N_r of each, and the window once
+        if self.nr_reads != "union":
+            return budget
+        n_sets = max(len(layer["clusters"]) for layer in self.clustering)
+        return n_sets * (budget - self.window_reads) + self.window_reads
+
     def widen(self, cfg) -> list[dict]:
         """Uneven N_r over layers: the wide_layers layers whose heads agree least take the file's
         clustering for wide_n_r clusters (their R-heads stay whole: Mem% rises by their share).
