@@ -6,7 +6,7 @@
     generate()          check the request, bind the policy, run the above, report
 
 What is not the loop lives beside it: the checks of a request (inputs.py), the results, their
-statistics and the clock that times them from outside (results.py), the bandwidth figures
+statistics, the clock that times them from outside and the prefill's progress (results.py), the bandwidth figures
 (timing.py), the command line (__main__.py: `python -m minikv.generate --prompt "..."`).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from ..policies import Policy, StepAction
 from .inputs import as_int, check_request, check_sampling, encode_prompt, exclusive, is_batch  # noqa: F401
-from .results import BatchResults, Clock, GenerationResult, results  # noqa: F401
+from .results import BatchResults, Clock, GenerationResult, results, tokens_progress  # noqa: F401
 from .timing import decode_bandwidth, measure_read_bandwidth, synchronize, weight_bytes_per_step  # noqa: F401
 
 DEFAULT_MAX_NEW_TOKENS = 128  # the API's and the command line's default
@@ -47,15 +47,6 @@ def prefill(model, ids: torch.Tensor, lengths: torch.Tensor, policy: Policy, pro
     positions = torch.where(positions < lengths[:, None], positions, -1)  # -1 marks padding
     return model(ids, positions=positions, policy=policy, logits_at=lengths - 1,
                  progress=tokens_progress(progress, int(lengths.sum())))
-
-
-def tokens_progress(progress, n_tokens: int):
-    """The model reports its prefill per layer, (layers done, n_layers); a user counts tokens.
-    The whole prompt goes through each layer in turn, so after i of n layers the work done is
-    that of i/n of the prompt's tokens: progress(round(n_tokens * i / n), n_tokens)."""
-    if progress is None:
-        return None
-    return lambda layer, n_layers: progress(round(n_tokens * layer / n_layers), n_tokens)
 
 
 def decode_one_token(model, token: torch.Tensor, position: torch.Tensor, policy: Policy) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """What a generate call returns and reports: GenerationResult (one sequence), BatchResults (a batch),
 their statistics (timing, the policy's KV numbers and counters, threads, bandwidth), and the
-Clock that times the run from outside the loop."""
+Clock that times the run from outside the loop, and the prefill's progress counted in tokens."""
 from __future__ import annotations
 
 import time
@@ -95,3 +95,12 @@ def generation_stats(policy, prompts, new, ttft, step_times, total, model=None) 
         # what one decode step reads: the weights, and the KV the policy's attention read
         stats.update(decode_bandwidth(weight_bytes_per_step(model) + stats["kv_bytes_read_per_step"], tpot))
     return stats
+
+
+def tokens_progress(progress, n_tokens: int):
+    """The model reports its prefill per layer, (layers done, n_layers); a user counts tokens.
+    The whole prompt goes through each layer in turn, so after i of n layers the work done is
+    that of i/n of the prompt's tokens: progress(round(n_tokens * i / n), n_tokens)."""
+    if progress is None:
+        return None
+    return lambda layer, n_layers: progress(round(n_tokens * layer / n_layers), n_tokens)
