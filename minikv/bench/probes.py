@@ -35,11 +35,14 @@ def _now(device_sync: bool) -> float:
 
 
 @contextmanager
-def timed(objects: Iterable[object], names: Iterable[str], totals: dict[str, float]):
+def timed(objects: Iterable[object], names: Iterable[str], totals: dict[str, float], within: list | None = None,
+          only_within: list | None = None):
     """Add the wall time of every call of `obj.<name>` (for each object and name) made on the
     calling thread to totals[name] (seconds) while the block runs; the original methods come back
     on exit. Calls on another thread (a selection worker's, policies/worker.py) run beside the
-    model, off the critical path, and are not timed."""
+    model, off the critical path, and are not timed. within: a one-element list counting the
+    calls of these methods under way; only_within: such a list, outside which calls are not timed
+    (a layer's select inside its decode, not inside its prefill)."""
     sync = torch.cuda.is_available()
     patched: list[tuple[object, str]] = []
     model_thread = threading.get_ident()  # a selection worker's calls run beside it: not timed
@@ -47,12 +50,16 @@ def timed(objects: Iterable[object], names: Iterable[str], totals: dict[str, flo
     def wrap(method, name):
         @functools.wraps(method)
         def timed_method(*args, **kwargs):
-            if threading.get_ident() != model_thread:
+            if threading.get_ident() != model_thread or (only_within is not None and not only_within[0]):
                 return method(*args, **kwargs)
             t0 = _now(sync)
+            if within is not None:
+                within[0] += 1
             try:
                 return method(*args, **kwargs)
             finally:
+                if within is not None:
+                    within[0] -= 1
                 totals[name] = totals.get(name, 0.0) + _now(sync) - t0
         return timed_method
 

@@ -140,12 +140,14 @@ def probe_targets(policy) -> list:
 
 
 def probes(policy, totals: dict) -> ExitStack:
-    """Every timer on a bound policy, into totals: select and recall (probe_targets), and the
-    policy's whole part of a step, its layers' decode and its end_step ("decode", "end_step")."""
-    stack = ExitStack()
-    stack.enter_context(timed(probe_targets(policy), ["select", "recall"], totals))
-    stack.enter_context(timed(policy.layers, ["decode"], totals))
-    stack.enter_context(timed([policy], ["end_step"], totals))
+    """Every timer on a bound policy, into totals: the policy's whole part of a decode step, its
+    layers' decode and its end_step ("decode", "end_step"), and within it select and recall
+    (probe_targets). The prefill's selection and recall are not counted: the shares are of
+    decoding (a share divides by the decode steps' time)."""
+    stack, in_step = ExitStack(), [0]
+    stack.enter_context(timed(probe_targets(policy), ["select", "recall"], totals, only_within=in_step))
+    stack.enter_context(timed(policy.layers, ["decode"], totals, within=in_step))
+    stack.enter_context(timed([policy], ["end_step"], totals, within=in_step))
     return stack
 
 

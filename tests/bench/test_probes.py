@@ -23,6 +23,24 @@ def test_timed_adds_each_call_and_restores_the_methods():
     assert layers[0].select.__func__ is Layer.select
 
 
+class Step(Layer):
+    def decode(self, x):
+        return self.select(x)  # a decode step that selects
+
+    def prefill(self, x):
+        return self.select(x)  # so does the prefill
+
+
+def test_only_the_calls_within_a_step_are_timed():
+    """speed's probes: a layer's select counts inside its decode (within), not inside its prefill."""
+    layer, totals, in_step = Step(), {}, [0]
+    with timed([layer], ["select"], totals, only_within=in_step), timed([layer], ["decode"], totals, within=in_step):
+        layer.prefill(1)
+        assert totals["select"] == 0.0 and in_step == [0]
+        assert layer.decode(1) == 2
+        assert in_step == [0] and 0.01 <= totals["select"] <= totals["decode"]
+
+
 def test_timed_restores_after_an_error():
     layer, totals = Layer(), {}
     try:

@@ -95,7 +95,9 @@ def test_lockstep_decodes_what_generate_decodes(smollm2):
 def test_select_and_recall_are_timed_from_outside(smollm2, spec):
     """icecache and freekv carry no clock (no perf_counter in their code); the speed benchmark
     times their layers' select and their recall with bench/probes.py, and reports their shares
-    of decoding, run by run and in lockstep."""
+    of decoding, run by run and in lockstep: the selection and recall made inside a decode step
+    (not the prefill's, nor a worker thread's beside the model), so they are part of the policy's
+    share by construction, however loaded the machine."""
     import pathlib
 
     import minikv.policies.freekv as freekv
