@@ -17,6 +17,10 @@ with cache positions, so that a token is rotated once, where it will be read. Af
 layer of each forward the generation loop calls `policy.end_step(logits)`; `policy.stats()`
 reports tiers and events at any time.
 
+On a model with sliding-window layers (Gemma 3's local layers; a Mistral's, every layer) whose
+window is shorter than max_len, the runtime keeps those layers' windows itself (window.py) and
+the policy is bound to the global layers alone: `layer(i)` maps the model's layer index.
+
 Tiers: `device` is where attention runs (the model's device); `host` is CPU memory, pinned when
 CUDA is present. On a CPU-only machine both are CPU memory: the copies still happen and the
 accounting is real, but nothing is saved. Every copy between the tiers goes through the policy's
@@ -150,6 +154,8 @@ class Policy(ABC):
         check_backend(self.backend, self.kernels, self.name)
         self.cfg: ModelConfig | None = None
         self.layers: list[LayerKV] = []
+        self.windows: dict[int, LayerKV] = {}  # the model's local layers, kept by the runtime (window.py)
+        self._by_index: list[LayerKV] = []
         self.steps = 0
         self._peak_device_tokens = 0.0
         self._decode_device_tokens = 0.0
@@ -160,6 +166,18 @@ class Policy(ABC):
         if self.max_batch is not None and batch_size > self.max_batch:
             raise ValueError(f"policy {self.name!r} supports batch size <= {self.max_batch}, got {batch_size}")
         self.check_length(cfg, max_len)
+        # local layers (window.py): a sliding window shorter than the sequence; the runtime keeps them
+        windows = {i: w for i in range(cfg.n_layers) if (w := cfg.layer_window(i)) is not None and w < max_len}
+        self.global_layers = [i for i in range(cfg.n_layers) if i not in windows]
+        if windows and not self.global_layers and self.name != "full":
+            raise ValueError(f"every layer of this model is a sliding window of {min(windows.values())} tokens, "
+                             f"shorter than the sequence ({max_len}): the runtime keeps each window, and "
+                             f"{self.name!r} has no global layer to govern (use full)")
+        self.model_cfg = cfg
+        if cfg.sliding_window is not None:  # windows past max_len see everything: nothing to honour
+            from .window import global_view  # (window.py subclasses LayerKV: imported here, no cycle)
+
+            cfg = global_view(cfg, len(self.global_layers))
         self.cfg, self.dtype, self.max_len, self.batch_size = cfg, dtype, max_len, batch_size
         self.tiers = Tiers(device)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -169,6 +187,15 @@ class Policy(ABC):
         self._decode_device_tokens = 0.0  # sum over decode steps of the mean device tokens per layer
         self.allocate_shared()
         self.layers = [self.make_layer(i) for i in range(cfg.n_layers)]
+        self.windows = {}
+        if windows:
+            from .window import WindowLayer
+
+            self.windows = {i: WindowLayer(self, i, w, w + self.max_rewind()) for i, w in windows.items()}
+        # the model's layer index -> the policy's layer, or the runtime's window
+        self._by_index = [self.windows.get(i) for i in range(self.model_cfg.n_layers)]
+        for j, i in enumerate(self.global_layers):
+            self._by_index[i] = self.layers[j]
         return self
 
     def check_length(self, cfg: ModelConfig, max_len: int) -> None:
@@ -196,7 +223,22 @@ class Policy(ABC):
         return spec
 
     def layer(self, index: int) -> LayerKV:
-        return self.layers[index]
+        """The KV of the model's layer `index`: the policy's, or the runtime's window (window.py)."""
+        return self._by_index[index]
+
+    def keeps_window(self, index: int) -> bool:
+        """Whether the model's layer `index` is a local layer whose window the runtime keeps
+        (its keys are then rotated at their absolute positions: models/decoder.py)."""
+        return index in self.windows
+
+    def max_rewind(self) -> int:
+        """The most tokens one StepAction.rewind drops (softfreeze's rewalk): a window keeps
+        that many slots more, so that the tokens fed again find the window they had."""
+        return 0
+
+    def all_layers(self) -> list[LayerKV]:
+        """Every layer of the model in order: the policy's and the runtime's windows."""
+        return self._by_index
 
     @property
     def bound(self) -> bool:
@@ -219,7 +261,9 @@ class Policy(ABC):
 
     # -- accounting ------------------------------------------------------------------------
     def _mean(self, fn) -> float:
-        return sum(fn(layer) for layer in self.layers) / max(len(self.layers), 1)
+        # over every layer of the model: a local layer's window is read each step too
+        layers = self.all_layers()
+        return sum(fn(layer) for layer in layers) / max(len(layers), 1)
 
     def aux_bytes(self) -> tuple[int, int]:
         """(device, host) bytes of buffers the policy shares between its layers (scratch,
@@ -239,25 +283,31 @@ class Policy(ABC):
           device_bytes_allocated, ...       K and V slots reserved there (preallocated buffers
                                             in full) plus the policy's aux_bytes (digests,
                                             trees, staging buffers, shared scratch)"""
-        per_layer_device = [layer.device_tokens() for layer in self.layers]
-        per_layer_host = [layer.host_tokens() for layer in self.layers]
+        layers = self.all_layers()  # the model's, local windows included: they hold KV too
+        per_layer_device = [layer.device_tokens() for layer in layers]
+        per_layer_host = [layer.host_tokens() for layer in layers]
         rows, tb = self.batch_size, self.token_bytes()
         aux_device, aux_host = self.aux_bytes()
-        aux_device += sum(layer.aux_bytes()[0] for layer in self.layers)
-        aux_host += sum(layer.aux_bytes()[1] for layer in self.layers)
+        aux_device += sum(layer.aux_bytes()[0] for layer in layers)
+        aux_host += sum(layer.aux_bytes()[1] for layer in layers)
+        window_tokens = sum(w.device_tokens() for w in self.windows.values())
         return {
             "policy": self.name,
-            "device_tokens": sum(per_layer_device) / len(self.layers),
-            "host_tokens": sum(per_layer_host) / len(self.layers),
-            "device_tokens_peak": max(self._peak_device_tokens, sum(per_layer_device) / len(self.layers)),
+            "device_tokens": sum(per_layer_device) / len(layers),
+            "host_tokens": sum(per_layer_host) / len(layers),
+            "device_tokens_peak": max(self._peak_device_tokens, sum(per_layer_device) / len(layers)),
             # KV bytes attention read per decode step, mean over the steps (all layers and rows),
             # with each step's device tokens counted after the step (a policy that prunes after
             # attention, like streaming, read up to its prune size more)
-            "kv_bytes_read_per_step": rows * self.cfg.n_layers * tb * self._decode_device_tokens / max(self.steps - 1, 1),
+            "kv_bytes_read_per_step": rows * len(layers) * tb * self._decode_device_tokens / max(self.steps - 1, 1),
+            # of which the local layers' windows (window.py): layers, tokens per KV head summed, bytes
+            "window_layers": len(self.windows),
+            "window_tokens": window_tokens,
+            "window_bytes": rows * window_tokens * tb,
             "device_bytes": round(rows * sum(per_layer_device) * tb),
             "host_bytes": round(rows * sum(per_layer_host) * tb),
-            "device_bytes_allocated": rows * sum(l.allocated_device_tokens() for l in self.layers) * tb + aux_device,
-            "host_bytes_allocated": rows * sum(l.allocated_host_tokens() for l in self.layers) * tb + aux_host,
+            "device_bytes_allocated": rows * sum(l.allocated_device_tokens() for l in layers) * tb + aux_device,
+            "host_bytes_allocated": rows * sum(l.allocated_host_tokens() for l in layers) * tb + aux_host,
             "bytes_to_host": self.tiers.bytes_to_host,
             "bytes_to_device": self.tiers.bytes_to_device,
             "device_tokens_per_layer": per_layer_device,

@@ -196,7 +196,8 @@ def _run(model, ids, spec, where, prompt=PROMPT, budget=None, attended=False, ro
     (logits (steps, V), the policy)."""
     device = _device(model)
     policy = make(spec).bind(model.cfg, device=device, dtype=torch.float32, max_len=ids.shape[1])
-    seen = Recorder(policy, model.cfg, where, spec, attended) if attended or rows_back else None
+    # policy.cfg: the layers the policy governs (a hybrid model's global ones, no window left)
+    seen = Recorder(policy, policy.cfg, where, spec, attended) if attended or rows_back else None
     out = [model(ids[:, :prompt], policy=policy)[:, -1]]
     for t in range(prompt, ids.shape[1]):
         out.append(model(ids[:, t:t + 1], positions=torch.tensor([[t]], device=device), policy=policy)[:, -1])
