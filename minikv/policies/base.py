@@ -167,17 +167,15 @@ class Policy(ABC):
             raise ValueError(f"policy {self.name!r} supports batch size <= {self.max_batch}, got {batch_size}")
         self.check_length(cfg, max_len)
         # local layers (window.py): a sliding window shorter than the sequence; the runtime keeps them
-        windows = {i: w for i in range(cfg.n_layers) if (w := cfg.layer_window(i)) is not None and w < max_len}
+        from .window import governed_config, local_windows  # (window.py subclasses LayerKV: no cycle)
+
+        windows = local_windows(cfg, max_len)
         self.global_layers = [i for i in range(cfg.n_layers) if i not in windows]
         if windows and not self.global_layers and self.name != "full":
             raise ValueError(f"every layer of this model is a sliding window of {min(windows.values())} tokens, "
                              f"shorter than the sequence ({max_len}): the runtime keeps each window, and "
                              f"{self.name!r} has no global layer to govern (use full)")
-        self.model_cfg = cfg
-        if cfg.sliding_window is not None:  # windows past max_len see everything: nothing to honour
-            from .window import global_view  # (window.py subclasses LayerKV: imported here, no cycle)
-
-            cfg = global_view(cfg, len(self.global_layers))
+        self.model_cfg, cfg = cfg, governed_config(cfg, max_len)
         self.cfg, self.dtype, self.max_len, self.batch_size = cfg, dtype, max_len, batch_size
         self.tiers = Tiers(device)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -252,7 +250,8 @@ class Policy(ABC):
     # -- per step --------------------------------------------------------------------------
     def end_step(self, logits: torch.Tensor | None = None) -> StepAction | None:
         """Called by the generation loop after every forward (prefill included)."""
-        tokens = self._mean(lambda layer: layer.device_tokens())
+        # over every layer of the model: a local layer's window is read each step too
+        tokens = self._mean(lambda layer: layer.device_tokens(), self.all_layers())
         if self.steps > 0:  # a decode step: what its attention read (counted after the step)
             self._decode_device_tokens += tokens
         self.steps += 1
@@ -260,9 +259,9 @@ class Policy(ABC):
         return None
 
     # -- accounting ------------------------------------------------------------------------
-    def _mean(self, fn) -> float:
-        # over every layer of the model: a local layer's window is read each step too
-        layers = self.all_layers()
+    def _mean(self, fn, layers=None) -> float:
+        """fn's mean over the policy's layers (or `layers`)."""
+        layers = self.layers if layers is None else layers
         return sum(fn(layer) for layer in layers) / max(len(layers), 1)
 
     def aux_bytes(self) -> tuple[int, int]:

@@ -65,9 +65,18 @@ class WindowLayer(LayerKV):
         return self.slots
 
 
-def global_view(cfg: ModelConfig, n_global: int) -> ModelConfig:
-    """The config a policy is bound to on a model whose local layers the runtime keeps: its
-    global layers alone, with no window left to honour."""
+def local_windows(cfg: ModelConfig, max_len: int) -> dict[int, int]:
+    """{layer: window} of the layers whose window the runtime keeps: a window shorter than the
+    sequence (one as long sees every token: a global layer for this run)."""
+    return {i: w for i in range(cfg.n_layers) if (w := cfg.layer_window(i)) is not None and w < max_len}
+
+
+def governed_config(cfg: ModelConfig, max_len: int) -> ModelConfig:
+    """The config a policy is bound to for sequences of max_len tokens: the global layers alone,
+    with no window left to honour (the model's own config where it has no window)."""
     from dataclasses import replace
 
-    return replace(cfg, n_layers=n_global, layer_types=None, sliding_window=None)
+    if cfg.sliding_window is None:
+        return cfg
+    return replace(cfg, n_layers=cfg.n_layers - len(local_windows(cfg, max_len)), layer_types=None,
+                   sliding_window=None)

@@ -33,6 +33,7 @@ import torch
 from ..kernels import BACKENDS, check_backend, policy_backends
 from ..policies.base import Policy, _REGISTRY, discover, make, parameters
 from ..policies.params import value_type
+from ..policies.window import governed_config
 from .models import FAMILIES, tiny_model
 from .recorder import Recorder, fail as _fail
 from .tolerances import default_device
@@ -59,12 +60,13 @@ def check_policy(spec_or_class, *, families=tuple(FAMILIES), smollm2="auto", bac
         for family in families:
             model = tiny_model(family, device=device)
             where = f"{cls.name} on the tiny {family} model"
-            spec = cls.spec_for_model(small, model.cfg, Path(work))
+            governed = governed_config(model.cfg, PROMPT + NEW)  # a hybrid model's global layers
+            spec = cls.spec_for_model(small, governed, Path(work))
             if not _accepts(cls, spec, model, where):
                 ran.setdefault("sliding-window refusal", []).append(family)
                 continue
             ids = _random_ids(model)
-            _covering(cls, model, ids, cls.spec_for_model(cls.covering_spec or cls.name, model.cfg, Path(work)), where)
+            _covering(cls, model, ids, cls.spec_for_model(cls.covering_spec or cls.name, governed, Path(work)), where)
             _small(cls, model, ids, spec, budget, where)
             if cls.prefill_equals_decoding:
                 _prefill(model, ids, spec, where)
