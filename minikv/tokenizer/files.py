@@ -230,9 +230,13 @@ def _gemma_from_gguf(meta: dict) -> SentencePieceTokenizer:
     from .spm_proto import sentencepiece_model
 
     tokens, types = meta["ggml.tokens"], meta.get("ggml.token_type") or [1] * len(meta["ggml.tokens"])
-    pieces = ["\u2581" * len(t) if t and not t.strip(" ") else t for t in tokens]
+    spaces = [bool(t) and not t.strip(" ") for t in tokens]
+    pieces = ["\u2581" * len(t) if blank else t for t, blank in zip(tokens, spaces)]
+    # the file marks those user-defined (matched longest first: 34 spaces -> 31 + 3); transformers
+    # reaches them through merges (34 -> 16 + 18): normal pieces
+    types = [1 if blank else ty for ty, blank in zip(types, spaces)]
     ids = {name: meta.get(f"ggml.{name}_token_id") for name in ("bos", "eos", "unknown", "padding")}
-    proto = sentencepiece_model(pieces, [-float(i) for i in range(len(pieces))], list(types),
+    proto = sentencepiece_model(pieces, [-float(i) for i in range(len(pieces))], types,
                                 bos_id=ids["bos"], eos_id=ids["eos"], unk_id=ids["unknown"],
                                 pad_id=-1 if ids["padding"] is None else ids["padding"],
                                 add_dummy_prefix=bool(meta.get("ggml.add_space_prefix", False)))
