@@ -139,3 +139,26 @@ def test_logits_match_transformers_on_natural_text(gemma):
     for t in (logits.argmax(-1) != ref["argmax"]).nonzero().flatten().tolist():
         top2 = logits[t].topk(2).values
         assert (top2[0] - top2[1]).item() <= 1e-3, f"position {t}"
+
+
+def test_a_rewinding_policy_gets_longer_windows_that_still_read_only_the_window():
+    """softfreeze rewalks up to rewalk_tokens tokens: its windows keep that many slots more, and
+    a decode step still reads exactly the last `window` tokens (dense windowed attention)."""
+    from minikv.models.attention import dense_attention
+    from minikv.testing.models import tiny_model
+
+    model = tiny_model("gemma3_hybrid", device=DEVICE)  # local, global, local; window 16
+    policy = make("softfreeze:rewalk_tokens=3").bind(model.cfg, device=DEVICE, dtype=torch.float32, max_len=40)
+    ring = policy.layer(0)
+    assert (ring.window, ring.slots) == (16, 19) and policy.layer(1) is policy.layers[0]
+    g = torch.Generator().manual_seed(0)
+    ks, vs = [], []
+    for t in range(30):
+        q, k, v = (torch.randn(1, h, 1, 16, generator=g).to(DEVICE) for h in (4, 2, 2))
+        ks.append(k), vs.append(v)
+        pos = torch.tensor([[t]], device=DEVICE)
+        out = ring.prefill(q, k, v, pos) if t == 0 else ring.decode(q, k, v, pos)
+        lo = max(0, t - 15)
+        want = dense_attention(q, torch.cat(ks[lo:], 2), torch.cat(vs[lo:], 2))
+        assert torch.allclose(out, want, atol=1e-5), t
+    assert ring.device_tokens() == 16 and ring.allocated_device_tokens() == 19
