@@ -76,7 +76,7 @@ def governed_config(cfg: ModelConfig, max_len: int) -> ModelConfig:
     with no window left to honour (the model's own config where it has no window)."""
     from dataclasses import replace
 
-    if cfg.sliding_window is None:
-        return cfg
+    if cfg.sliding_window is None or (cfg.layer_types is None and not local_windows(cfg, max_len)):
+        return cfg  # no window, or Mistral's as long as the sequence: the model's own config
     return replace(cfg, n_layers=cfg.n_layers - len(local_windows(cfg, max_len)), layer_types=None,
                    sliding_window=None)

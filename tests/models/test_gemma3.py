@@ -87,9 +87,11 @@ def test_a_model_of_local_layers_only_is_refused_by_a_policy_with_nothing_to_gov
     from minikv.testing.models import tiny_model
 
     cfg = tiny_model("mistral_swa", device="cpu").cfg  # window 8 on every layer
-    with pytest.raises(ValueError, match="every layer of this model is a sliding window of 8 .* no global layer"):
+    with pytest.raises(ValueError, match="^h2o does not combine with a sliding-window model"):  # its own word
         make("h2o").bind(cfg, device="cpu", dtype=torch.float32, max_len=20)
     assert make("h2o").bind(cfg, device="cpu", dtype=torch.float32, max_len=8).cfg.n_layers == 2  # window covers it
+    full = make("full").bind(cfg, device="cpu", dtype=torch.float32, max_len=20)  # all windows, no policy layer
+    assert full.layers == [] and [full.layer(i).slots for i in range(2)] == [8, 8]
 
 
 def test_missing_gemma_package_names_it(monkeypatch):
