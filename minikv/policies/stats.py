@@ -19,7 +19,8 @@ class TierStats:
 
     def count_step(self) -> None:
         """At each end_step, before `steps` advances: the step's device tokens, mean over layers."""
-        tokens = self._mean(lambda layer: layer.device_tokens())
+        # over every layer of the model: a local layer's window is read each step too
+        tokens = self._mean(lambda layer: layer.device_tokens(), self.all_layers())
         if self.steps > 0:  # a decode step: what its attention read (counted after the step)
             self._decode_device_tokens += tokens
         self._peak_device_tokens = max(self._peak_device_tokens, tokens)
@@ -30,8 +31,10 @@ class TierStats:
         worker = getattr(self, "worker", None)
         return worker.threads if worker is not None else 0
 
-    def _mean(self, fn) -> float:
-        return sum(fn(layer) for layer in self.layers) / max(len(self.layers), 1)
+    def _mean(self, fn, layers=None) -> float:
+        """fn's mean over the policy's layers (or `layers`)."""
+        layers = self.layers if layers is None else layers
+        return sum(fn(layer) for layer in layers) / max(len(layers), 1)
 
     def aux_bytes(self) -> tuple[int, int]:
         """(device, host) bytes of buffers the policy shares between its layers (scratch,
@@ -51,25 +54,31 @@ class TierStats:
           device_bytes_allocated, ...       K and V slots reserved there (preallocated buffers
                                             in full) plus the policy's aux_bytes (digests,
                                             trees, staging buffers, shared scratch)"""
-        per_layer_device = [layer.device_tokens() for layer in self.layers]
-        per_layer_host = [layer.host_tokens() for layer in self.layers]
+        layers = self.all_layers()  # the model's, local windows included: they hold KV too
+        per_layer_device = [layer.device_tokens() for layer in layers]
+        per_layer_host = [layer.host_tokens() for layer in layers]
         rows, tb = self.batch_size, self.token_bytes()
         aux_device, aux_host = self.aux_bytes()
-        aux_device += sum(layer.aux_bytes()[0] for layer in self.layers)
-        aux_host += sum(layer.aux_bytes()[1] for layer in self.layers)
+        aux_device += sum(layer.aux_bytes()[0] for layer in layers)
+        aux_host += sum(layer.aux_bytes()[1] for layer in layers)
+        window_tokens = sum(w.device_tokens() for w in self.windows.values())
         return {
             "policy": self.name,
-            "device_tokens": sum(per_layer_device) / len(self.layers),
-            "host_tokens": sum(per_layer_host) / len(self.layers),
-            "device_tokens_peak": max(self._peak_device_tokens, sum(per_layer_device) / len(self.layers)),
+            "device_tokens": sum(per_layer_device) / len(layers),
+            "host_tokens": sum(per_layer_host) / len(layers),
+            "device_tokens_peak": max(self._peak_device_tokens, sum(per_layer_device) / len(layers)),
             # KV bytes attention read per decode step, mean over the steps (all layers and rows),
             # with each step's device tokens counted after the step (a policy that prunes after
             # attention, like streaming, read up to its prune size more)
-            "kv_bytes_read_per_step": rows * self.cfg.n_layers * tb * self._decode_device_tokens / max(self.steps - 1, 1),
+            "kv_bytes_read_per_step": rows * len(layers) * tb * self._decode_device_tokens / max(self.steps - 1, 1),
+            # of which the local layers' windows (window.py): layers, tokens per KV head summed, bytes
+            "window_layers": len(self.windows),
+            "window_tokens": window_tokens,
+            "window_bytes": rows * window_tokens * tb,
             "device_bytes": round(rows * sum(per_layer_device) * tb),
             "host_bytes": round(rows * sum(per_layer_host) * tb),
-            "device_bytes_allocated": rows * sum(l.allocated_device_tokens() for l in self.layers) * tb + aux_device,
-            "host_bytes_allocated": rows * sum(l.allocated_host_tokens() for l in self.layers) * tb + aux_host,
+            "device_bytes_allocated": rows * sum(l.allocated_device_tokens() for l in layers) * tb + aux_device,
+            "host_bytes_allocated": rows * sum(l.allocated_host_tokens() for l in layers) * tb + aux_host,
             "bytes_to_host": self.tiers.bytes_to_host,
             "bytes_to_device": self.tiers.bytes_to_device,
             "device_tokens_per_layer": per_layer_device,

@@ -14,7 +14,7 @@ from ..models import build_model
 from .tolerances import default_device
 
 # one tiny config per family minikv loads (as reference/models/ holds them): GQA, q/k/v bias, partial
-# rotary with a parallel residual, a sliding window
+# rotary with a parallel residual, a sliding window, local and global layers
 _COMMON = {"num_hidden_layers": 2, "max_position_embeddings": 128, "tie_word_embeddings": False}
 FAMILIES = {
     "llama_gqa": {"model_type": "llama", "vocab_size": 97, "hidden_size": 72, "intermediate_size": 144,
@@ -26,6 +26,12 @@ FAMILIES = {
                  "attention_bias": True},
     "mistral_swa": {"model_type": "mistral", "vocab_size": 131, "hidden_size": 48, "intermediate_size": 96,
                     "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 12, "sliding_window": 8},
+    # local and global layers (Gemma 3): the runtime keeps the local layers' windows of 16 tokens,
+    # the policy governs the global layer between them
+    "gemma3_hybrid": {"model_type": "gemma3_text", "vocab_size": 89, "hidden_size": 48, "intermediate_size": 96,
+                      "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                      "query_pre_attn_scalar": 24, "sliding_window": 16,
+                      "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
 }
 
 

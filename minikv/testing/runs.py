@@ -19,7 +19,7 @@ def run(model, ids, spec, where, prompt=PROMPT, budget=None, attended=False, row
     spec = spec if isinstance(spec, str) else policy.name
     beside = OracleRun(oracle, policy, where, spec) if oracle is not None else None
     if attended or rows_back or oracle is not None:  # it wraps the layers and tiers: nothing to keep
-        Recorder(policy, model.cfg, where, spec, attended, beside)
+        Recorder(policy, policy.cfg, where, spec, attended, beside)
     out = [model(ids[:, :prompt], policy=policy)[:, -1]]
     for t in range(prompt, ids.shape[1]):
         out.append(model(ids[:, t:t + 1], positions=torch.tensor([[t]], device=device), policy=policy)[:, -1])

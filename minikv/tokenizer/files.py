@@ -196,9 +196,13 @@ def tokenizer_from_gguf(path_or_reader) -> BPETokenizer:
         reader = open_gguf(Path(path_or_reader))  # the header checked before gguf's reader trusts it
     meta = {k[len("tokenizer."):]: f.contents() for k, f in reader.fields.items()
             if k.startswith("tokenizer.") and not k.endswith(".scores")}
+    arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
+    if meta.get("ggml.model") == "llama" and str(arch).startswith("gemma"):
+        return _gemma_from_gguf(meta)
     if meta.get("ggml.model") != "gpt2":
         raise ValueError(f"GGUF tokenizer model {meta.get('ggml.model')!r} is not supported: minikv reads byte-level "
-                         "BPE ('gpt2') GGUF tokenizers; for SentencePiece ('llama') use the model's tokenizer.model")
+                         "BPE ('gpt2') GGUF tokenizers and Gemma's SentencePiece; for other SentencePiece ('llama') "
+                         "vocabularies use the model's tokenizer.model")
     pre = meta.get("ggml.pre", "default")
     if pre not in GGUF_PRE_PATTERNS:
         raise ValueError(f"GGUF tokenizer.ggml.pre {pre!r} is not supported (known: {sorted(GGUF_PRE_PATTERNS)})")
@@ -218,6 +222,34 @@ def tokenizer_from_gguf(path_or_reader) -> BPETokenizer:
         bos_id=meta.get("ggml.bos_token_id"), eos_id=meta.get("ggml.eos_token_id"),
         extra_eos=tuple(meta[k] for k in ("ggml.eot_token_id", "ggml.eom_token_id") if k in meta),
         add_bos=bool(meta.get("ggml.add_bos_token", False)), chat_template=meta.get("chat_template"))
+
+
+def _gemma_from_gguf(meta: dict) -> SentencePieceTokenizer:
+    """Gemma's SentencePiece BPE vocabulary from GGUF metadata, as a tokenizer.model (spm_proto.py).
+
+    Two things the file does not say as Gemma's tokenizer.model did, decided as transformers'
+    GGUF reader decides them (so that ids equal its own): the merge order is the order of the
+    tokens in the file (score = -index), and a token of two or more spaces, stored with real
+    spaces, is spelled with SentencePiece's "▁". Control tokens (<bos>, <start_of_turn>, ...)
+    are matched whole in the text; BOS is added, as Gemma expects it, unless the file says not."""
+    from .spm_proto import sentencepiece_model
+
+    tokens, types = meta["ggml.tokens"], meta.get("ggml.token_type") or [1] * len(meta["ggml.tokens"])
+    spaces = [bool(t) and not t.strip(" ") for t in tokens]
+    pieces = ["\u2581" * len(t) if blank else t for t, blank in zip(tokens, spaces)]
+    # the file marks those user-defined (matched longest first: 34 spaces -> 31 + 3); transformers
+    # reaches them through merges (34 -> 16 + 18): normal pieces
+    types = [1 if blank else ty for ty, blank in zip(types, spaces)]
+    ids = {name: meta.get(f"ggml.{name}_token_id") for name in ("bos", "eos", "unknown", "padding")}
+    proto = sentencepiece_model(pieces, [-float(i) for i in range(len(pieces))], types,
+                                bos_id=ids["bos"], eos_id=ids["eos"], unk_id=ids["unknown"],
+                                pad_id=-1 if ids["padding"] is None else ids["padding"],
+                                add_dummy_prefix=bool(meta.get("ggml.add_space_prefix", False)))
+    added = [AddedToken(t, i) for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (2, 3)]
+    return SentencePieceTokenizer(proto, added=added, bos_id=ids["bos"], eos_id=ids["eos"],
+                                  add_bos=bool(meta.get("ggml.add_bos_token", True)),
+                                  chat_template=meta.get("chat_template"),
+                                  extra_eos=tuple(meta[k] for k in ("ggml.eot_token_id",) if k in meta))
 
 
 def save_tokenizer_files(tokenizer_or_gguf, out_dir) -> Path:

@@ -45,7 +45,7 @@ def fake_chunks(tmp_path, monkeypatch, parts: list[bytes], version="0.9.0"):
         (tmp_path / "data" / f"part{i + 1:02d}.bin").write_bytes(data)
     whole = b"".join(parts)
     model = ChunkedGGUF("m.gguf", tuple(f"fake-part{i}" for i in range(len(parts))), "0.9.0", len(whole),
-                        hashlib.sha256(whole).hexdigest())
+                        hashlib.sha256(whole).hexdigest(), "qwen")
     monkeypatch.setattr(importlib.metadata, "version", lambda dist: version)
     monkeypatch.setattr(packaged, "_package_dir", lambda module, hint: tmp_path)
     return model

@@ -107,6 +107,10 @@ class SoftFreeze(RecoveryLadder, Policy):
         if cfg.sliding_window is not None:
             raise ValueError("softfreeze does not support sliding-window attention (cfg.sliding_window is set)")
 
+    def max_rewind(self) -> int:
+        # a rewalk drops up to rewalk_tokens tokens: the runtime's windows keep that many more
+        return self.rewalk_tokens if self.max_rewalks else 0
+
     def bind(self, cfg, **kwargs) -> "SoftFreeze":
         # a count grows at most once a step, and every step that does not rewind adds a token, so
         # between two resets of the counts (full_reset, which every rewalk runs first) a count
@@ -116,10 +120,11 @@ class SoftFreeze(RecoveryLadder, Policy):
         W = self.declared_history
         self.history = None if W is None or W >= kwargs["max_len"] else W
         super().bind(cfg, **kwargs)
+        # self.cfg: the layers this policy governs (a hybrid model's global ones, contract.Policy.bind)
         # the fast form (backend eager or triton): the state of all layers stacked, which runs
         # lines 3-15 for every layer at once (None: Algorithm1Layer, each its own)
-        self.state = None if self.backend == "reference" else FreezeTiers(self, cfg.n_layers)
-        self.scores: list[torch.Tensor | None] = [None] * cfg.n_layers  # each layer's s_j of this forward
+        self.state = None if self.backend == "reference" else FreezeTiers(self, self.cfg.n_layers)
+        self.scores: list[torch.Tensor | None] = [None] * self.cfg.n_layers  # each layer's s_j of this forward
         self.entropies: list[float] = []  # H of each step's next-token distribution, nats
         self.level = 0  # the ladder's current rung, 0 = calm
         self.calm = 0  # steps since the last spike
