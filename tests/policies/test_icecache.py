@@ -280,10 +280,48 @@ def test_smollm2_retrieves_a_passkey_with_a_small_budget(smollm2):
     ("icecache:prop=1.5", "prop"),
     ("icecache:batch=0", "batch"),
     ("icecache:page_size=0", "page_size"),
+    ("icecache:simple=4", "need descent=greedy"),
+    ("icecache:composite=2", "need descent=greedy"),
+    ("icecache:descent=greedy", "batch=1"),
+    ("icecache:ratio=1", "ratio"),
 ])
 def test_impossible_parameters(spec, message):
     with pytest.raises(ValueError, match=message):
         make(spec)
+
+
+def test_a_union_needs_a_page_per_query_head():
+    """gqa=union gives each of a group's G query heads K // G pages: K < G cannot hold it."""
+    with pytest.raises(ValueError, match="gqa=union gives each of a group's 3 query heads"):
+        make("icecache:gqa=union,page_size=4,sink=4,window=8,budget=20").bind(TINY, device=DEVICE, dtype=torch.float32,
+                                                                            max_len=100)
+
+
+@pytest.mark.parametrize("rules, fast", [("promotion=random,gqa=union", True), ("paper", False)])
+def test_the_papers_rules_choose_the_same_pages_on_every_backend(rules, fast):
+    """promotion=random and gqa=union change only the tree's levels and the merge, so the batched
+    search (backend eager) runs them and selects the reference's pages at every step; the greedy
+    descent of icecache:paper has one form, pdci.py, which every backend runs (no batched search
+    is built beside its trees)."""
+    spec = f"icecache:{rules},page_size=4,sink=4,window=8,budget=36,skip_layers=0"
+    runs = []
+    for backend in ("eager", "reference"):
+        policy = make(f"{spec},backend={backend}").bind(TINY, device=DEVICE, dtype=torch.float32, max_len=500)
+        assert all((layer.searcher is not None) == (fast and backend == "eager") for layer in policy.layers)
+        g = torch.Generator().manual_seed(0)
+        chosen = []
+        for step in range(16):
+            T = 460 if step == 0 else 1
+            for layer in policy.layers:
+                q, k, v = (torch.randn(1, H, T, TINY.head_dim, generator=g).to(DEVICE)
+                           for H in (TINY.n_heads, TINY.n_kv_heads, TINY.n_kv_heads))
+                (layer.prefill if step == 0 else layer.decode)(q, k, v, None)
+                if step:
+                    chosen.append(layer.selection.tolist())
+            policy.end_step()
+        runs.append(chosen)
+    assert runs[0] == runs[1]
+    assert any(-1 in row for sel in runs[0] for row in sel)  # the union is smaller than K at times
 
 
 @settings(max_examples=4)

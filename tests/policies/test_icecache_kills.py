@@ -15,7 +15,7 @@ import torch
 from minikv.policies import make
 from minikv.policies.icecache import search_fast
 from minikv.policies.icecache.search import field_of_view, page_select, query
-from minikv.policies.icecache.tree import DCIForest, level_of, levels_of, random_direction
+from minikv.policies.icecache.tree import DCIForest, level_of, levels_of, random_direction, random_directions
 
 from ..fixtures import DEVICE
 from . import test_icecache_paper as paper
@@ -23,28 +23,12 @@ from .test_icecache import check_host_pages, run_against_oracle
 
 
 def test_a_short_prompt_reads_every_page_until_the_tree_outgrows_k():
-    T, steps = 6, 40
-    policy = make(paper.SPEC).bind(paper.CFG, device=DEVICE, dtype=torch.float32, max_len=T + steps)
-    layer, ref = policy.layers[0], paper.PaperIceCache(paper.CFG.n_groups)
-    g = torch.Generator().manual_seed(2)
-    H, Hkv, D = paper.CFG.n_heads, paper.CFG.n_kv_heads, paper.CFG.head_dim
-    q, k, v = torch.randn(1, H, T, D, generator=g), torch.randn(1, Hkv, T, D, generator=g), torch.randn(1, Hkv, T, D, generator=g)
-    layer.prefill(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)
-    ref.prefill(k[0], v[0])
-    n_pages = set()
-    for _ in range(steps):
-        q, k, v = torch.randn(1, H, 1, D, generator=g), torch.randn(1, Hkv, 1, D, generator=g), torch.randn(1, Hkv, 1, D, generator=g)
-        n_pages.add(max(layer.forest.n_pages))
-        out = layer.decode(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), None)[0, :, 0].cpu()
-        want, reads, pages = ref.decode(q[0, :, 0], k[0, :, 0], v[0, :, 0], layer.forest)
-        assert [set(r) - {-1} for r in layer.attended_indices().tolist()] == reads
-        if layer.selection is not None:
-            assert [set(p for p in row if p >= 0) for row in layer.selection.tolist()] == [set(p) for p in pages]
-        torch.testing.assert_close(out, want)
-        policy.end_step()
+    rows, trees, _, policy = paper.run(paper.SPEC, T=6, steps=40, seed=2)
+    paper.check(rows, trees)
+    n_pages = {row.n_pages for row in rows}
     assert {0, 1, paper.K} <= n_pages and max(n_pages) > paper.K  # none, fewer than k, k, more
-    # line 23's copies, summed over the steps: what the paged store counted
-    assert policy.stats()["pages_recalled"] == layer.kv.pages_recalled > 0
+    # line 23's copies, summed over the steps: what the paged stores counted
+    assert policy.stats()["pages_recalled"] == sum(layer.kv.pages_recalled for layer in policy.layers) > 0
 
 
 def test_insert_promotes_by_the_counter_and_takes_the_nearest_older_parent():
@@ -246,17 +230,18 @@ def test_the_seed_picks_one_unit_direction_for_every_layer():
     assert torch.equal(u, random_direction(8, 3)) and not torch.equal(u, random_direction(8, 4))
     assert u.dtype == torch.float32 and abs(float(u.double().norm()) - 1) < 1e-6
     policy = make(paper.SPEC + ",seed=3").bind(paper.CFG, device=DEVICE, dtype=torch.float32, max_len=40)
-    assert torch.equal(policy.u, u) and torch.equal(policy.layers[0].forest.u, u)
+    assert torch.equal(policy.U[0], u) and torch.equal(policy.layers[0].forest.u, u)
+    assert torch.equal(policy.U, random_directions(8, 8, 3)) and torch.equal(policy.layers[1].forest.U, policy.U)
 
 
 def test_what_the_policy_and_the_tree_refuse():
     """skip_layers up to the model's layers (all full), not past; a sliding window no shorter than
     max_len; the tree's capacity and its one build; the messages say the numbers."""
     base = f"icecache:page_size=4,sink=4,window=8,budget={4 + 8 + 4 * 3}"
-    full = make(base + ",skip_layers=1").bind(paper.CFG, device=DEVICE, dtype=torch.float32, max_len=40)
-    assert [type(layer).__name__ for layer in full.layers] == ["FullLayer"]
-    with pytest.raises(ValueError, match="skip_layers must be <= the model's 1 layers, got 2"):
-        make(base + ",skip_layers=2").bind(paper.CFG, device=DEVICE, dtype=torch.float32, max_len=40)
+    full = make(base + ",skip_layers=2").bind(paper.CFG, device=DEVICE, dtype=torch.float32, max_len=40)
+    assert [type(layer).__name__ for layer in full.layers] == ["FullLayer"] * 2
+    with pytest.raises(ValueError, match="skip_layers must be <= the model's 2 layers, got 3"):
+        make(base + ",skip_layers=3").bind(paper.CFG, device=DEVICE, dtype=torch.float32, max_len=40)
     mistral = replace(paper.CFG, sliding_window=64)
     make(base + ",skip_layers=0").bind(mistral, device=DEVICE, dtype=torch.float32, max_len=64)
     with pytest.raises(ValueError, match=r"^icecache does not combine with a sliding-window model \(Mistral\) "
@@ -277,7 +262,8 @@ def test_stats_count_recalls_per_decode_step_keys_scored_and_page_fill():
     decode steps: pages recalled per decode step, the share of the tree's keys the searches scored
     (1 with exhaustive parameters: every key, at every search), the mean fill of the pages."""
     T, steps = 120, 6
-    policy = make(paper.SPEC).bind(paper.CFG, device=DEVICE, dtype=torch.float32, max_len=T + steps)
+    policy = make(paper.SPEC + ",fov=100000,prop=1.0").bind(paper.CFG, device=DEVICE, dtype=torch.float32,
+                                                           max_len=T + steps)
     layer, f = policy.layers[0], policy.layers[0].forest
     H, Hkv, D = paper.CFG.n_heads, paper.CFG.n_kv_heads, paper.CFG.head_dim
     g = torch.Generator().manual_seed(12)

@@ -157,11 +157,14 @@ def test_triton_backend_is_refused_at_once_when_the_interpreter_is_off(monkeypat
 # paper's tau, the prompt judged as step 1 and no recovery (future work); freekv's min-max pooled
 # keys at B = 2048; synckv's N_r clusters in every layer (N_r from the model, at bind), Algorithm 1
 # lines 23-24's union and no window, Eq. 6 over the whole vector; icecache's Algorithm 1 lines
-# 16-17, the offload before attention
+# 16-17, the offload before attention, its random promotion (lines 29-33), the union over a group
+# (Sec. 4.2), P-DCI's several indices (Sec. 3.3) and Algorithm 4 as written
 PAPERS = {"softfreeze": dict(score="raw", tau=0.5, judge_prompt=True, egr=False),
           "freekv": dict(digest="minmax", budget=2048),
           "synckv": dict(wide_layers=0, nr_reads="union", window=0, exclude_static=False, n_r=None),
-          "icecache": dict(window_offload="before"), "streaming": {}, "h2o": {}, "full": {}}
+          "icecache": dict(window_offload="before", promotion="random", gqa="union", descent="greedy", simple=4,
+                           composite=2, batch=1),
+          "streaming": {}, "h2o": {}, "full": {}}
 
 
 @pytest.mark.parametrize("name", sorted(PAPERS))

@@ -10,7 +10,8 @@ tokens, so a query's few relevant keys sit in a few pages. One decode step of a 
   lines 16-17   PagedKV.leave_window: the last page fills up, the oldest window page leaves the
                 device (window_offload=before, the paper's order: before attention; the default
                 `after` runs it after line 25)
-  line 22       IceCacheLayer.select: PAGE-SELECT (Alg. 3-4), search.page_select, then the GQA merge
+  line 22       IceCacheLayer.select: PAGE-SELECT (Alg. 3-4), search.page_lists (descent=greedy:
+                pdci.page_lists), then the GQA merge
   line 23       PagedKV.recall: only the pages not already on the device, bulk-copied (Sec. 4.3)
   line 25       PagedKV.attend: sink, selected pages and window through a page table, partly
                 filled pages masked (kernels/paged_attention)
@@ -23,16 +24,19 @@ pages_fast.py; `triton` scores gathered keys with kernels/dci_scores (search_fas
 and the host pages stay on the host (tiers.backend_on): beside a GPU the search and the gather
 run eager there, and `triton` runs the scatter and the paged attention on the device.
 
-The paper's rules: `icecache:paper` (preset=paper: window_offload=before). Decisions
-(docs/design.md, "icecache" and "The paper as a preset"): budget = sink + window + k pages of
-page_size per KV head; defaults from the authors' LongBench scripts (pages of 16, budget 256 = 2
-sink + 2 window + 12 retrieved pages, layers 0-1 full). GQA: each query head searches its KV
-head's tree, the group's lists are merged round-robin into k pages. A tree of at most k pages is
-read whole. IceCache(reuse) (App. C): with reuse_every = r, layers skip_layers, skip_layers + r,
-... own a tree; the r - 1 after an anchor keep their own KV in the anchor's pages and read the
-pages it selected. By default the oldest window page leaves after attention (window_offload=after):
-the window reads at least window - P + 1 tokens, where the paper's order reads window - P on the
-step that fills a page. The query is the current step's q (no speculation, the authors' default).
+The paper's rules: `icecache:paper` (PAPER below: the page leaves before attention, random
+promotion, the union over a group, P-DCI over 4 x 2 indices with Algorithm 4 as written, pdci.py).
+Decisions (docs/design.md, "icecache" and "The paper as a preset"): budget = sink + window + K
+pages of page_size per KV head; defaults from the authors' LongBench scripts (pages of 16, budget
+256 = 2 sink + 2 window + 12 retrieved pages, layers 0-1 full). GQA: each query head searches its
+KV head's tree; by default the group's lists of K pages are merged round-robin into K pages (the
+authors' code), with gqa=union each query head takes K // G pages and the group reads their union
+(the paper). A tree of at most K pages is read whole. IceCache(reuse) (App. C): with reuse_every =
+r, layers skip_layers, skip_layers + r, ... own a tree; the r - 1 after an anchor keep their own KV
+in the anchor's pages and read the pages it selected. By default the oldest window page leaves
+after attention (window_offload=after): the window reads at least window - P + 1 tokens, where the
+paper's order reads window - P on the step that fills a page. The query is the current step's q (no
+speculation, the authors' default).
 """
 from __future__ import annotations
 
@@ -47,8 +51,9 @@ from ..full import FullLayer
 from ..paged import PagedKV, PagedLayer, check_page_geometry
 from ..pool import Staging
 from ..tiers import backend_on
-from .search import CLOSEST, field_of_view, merge_group, page_select
-from .tree import FIRST_PROMOTION, DCIForest, random_direction
+from . import pdci
+from .search import CLOSEST, field_of_view, merge_group, merge_union, page_lists
+from .tree import FIRST_PROMOTION, DCIForest, promotion_levels, promotion_stream, random_directions
 
 
 class SemanticPages:
@@ -110,10 +115,18 @@ class IceCacheLayer(PagedLayer):
         cfg, P = policy.cfg, policy.page_size
         self.anchor = anchor  # None: this layer owns its tree
         if anchor is None:
-            self.forest = DCIForest(n_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, page_size=P,
-                                    capacity=policy.max_len, u=policy.u)
-            # the batched search (backend eager or triton) keeps its state beside the tree
-            self.searcher = None if policy.search == "reference" else policy.fast_search(self.forest, policy.host_backend)
+            shape = dict(n_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, page_size=P, capacity=policy.max_len)
+            if policy.promotion == "random":  # the paper's levels, drawn from this layer's stream
+                shape["levels"] = promotion_levels(policy.max_len, policy.ratio, promotion_stream(policy.seed, index))
+            if policy.descent == "greedy":  # the paper's P-DCI indices and QUERY (pdci.py)
+                self.forest = pdci.PDCIForest(U=policy.U, simple=policy.simple, composite=policy.composite,
+                                              prop=policy.prop, **shape)
+            else:
+                self.forest = DCIForest(u=policy.U[0], **shape)
+            # the batched search (backend eager or triton) keeps its state beside the tree; the
+            # greedy descent has one form, pdci.py, whatever the backend
+            fast = policy.search != "reference" and policy.descent == "level"
+            self.searcher = policy.fast_search(self.forest, policy.host_backend) if fast else None
         else:
             self.forest, self.searcher = anchor.forest, anchor.searcher
         self.K = policy.n_select
@@ -129,7 +142,8 @@ class IceCacheLayer(PagedLayer):
 
     # -- PAGE-SELECT (Algorithm 3) and the GQA merge ---------------------------------------------
     def select(self, q: torch.Tensor) -> torch.Tensor:
-        """q (1, Hq, D) -> (Hkv, K) page ids per KV head, -1 pads."""
+        """q (1, Hq, D) -> (Hkv, K) page ids per KV head, -1 pads: each query head's k pages
+        (k = K, or K // G for gqa=union), merged per group."""
         f, K, pol = self.forest, self.K, self.policy
         if max(f.n_pages, default=0) <= K:  # every page fits: nothing to choose
             out = torch.full((f.H, K), -1, dtype=torch.int64)
@@ -138,11 +152,16 @@ class IceCacheLayer(PagedLayer):
             return out
         # each query head searches its KV head's tree (on the host, as in the authors' code)
         q = q[0].cpu()  # (Hq, D)
-        if pol.search == "reference":  # search.py: Algorithms 3-4 as loops over levels and nodes
-            return page_select(f, q, K, pol.fov, pol.prop, pol.batch)
-        fov = field_of_view(f.n) if pol.fov is None else pol.fov
-        pages = self.searcher.select_pages(q.view(f.H, self.G, -1), None, K, fov, pol.prop, pol.batch)  # (Hkv, G, K)
-        return torch.tensor([merge_group(group, K) for group in pages.tolist()], dtype=torch.int64)
+        k = K // self.G if pol.gqa == "union" else K  # a union of G lists of K // G pages fits K slots
+        if pol.descent == "greedy":  # pdci.py: the paper's indices and Algorithm 4 as written
+            lists = pdci.page_lists(f, q, k, pol.fov, pol.prop)
+        elif pol.search == "reference":  # search.py: Algorithms 3-4 as loops over levels and nodes
+            lists = page_lists(f, q, k, pol.fov, pol.prop, pol.batch)
+        else:
+            fov = field_of_view(f.n) if pol.fov is None else pol.fov
+            lists = self.searcher.select_pages(q.view(f.H, self.G, -1), None, k, fov, pol.prop, pol.batch).tolist()
+        merge = merge_union if pol.gqa == "union" else merge_group  # (G lists of k) -> K pages, -1 pads
+        return torch.tensor([merge(group, K) for group in lists], dtype=torch.int64)
 
     # -- the contract ----------------------------------------------------------------------------
     def prefill(self, q, k, v, positions):
@@ -195,7 +214,12 @@ class IceCache(Policy):
     name = "icecache"
     max_batch = 1
     kernels = ("dci_scores", "paged_attention", "page_gather", "page_layout", "decode_attention")  # skip_layers: full
-    PAPER = dict(window_offload="before")  # Algorithm 1 lines 16-17: the page leaves before attention
+    # the paper's rules (docs/design.md, "The paper as a preset"): the page leaves before attention
+    # (Alg. 1 lines 16-17); random promotion with one fixed r (Alg. 1 lines 29-33, Alg. 2, App. B.1);
+    # the union of the group's pages (Sec. 4.2); several P-DCI indices (Sec. 3.3) and Algorithm 4
+    # as written, parents by QUERY(k, T, l, 1); P-DCI's stop checked after every point
+    PAPER = dict(window_offload="before", promotion="random", gqa="union", descent="greedy", simple=4, composite=2,
+                 batch=1)
     # the contract matrix's data (base.Policy, "What check_policy reads")
     covering_spec = "icecache:page_size=2,budget=160,sink=2,window=4,skip_layers=0"
     small_spec, small_budget = "icecache:page_size=2,budget=16,sink=2,window=4,skip_layers=0", 16
@@ -215,7 +239,20 @@ class IceCache(Policy):
                             low=1)
     prop: float = param(0.8, "share of a node's children scored before the search stops", above=0.0, high=1.0)
     batch: int = param(CLOSEST, "projections a node's scan scores per step", low=1)
-    seed: int = param(0, "seed of the random projection direction")
+    seed: int = param(0, "seed of the random projection directions and of the random promotion")
+    promotion: str = param("counter", "levels: a deterministic counter in token order, 1 in 100 then 1 in 5 (the "
+                                      "authors' code), or random: while Random(0, 1) < ratio (the paper)",
+                           choices=("counter", "random"))
+    ratio: float = param(0.01, "the promotion ratio r of promotion=random", above=0.0, high=0.9)
+    gqa: str = param("first_k", "a GQA group's pages: its query heads' lists round-robin, the first k distinct (the "
+                                "authors' code), or union: the union of K // G pages per query head (the paper)",
+                     choices=("first_k", "union"))
+    descent: str = param("level", "the query: level opens the fov best keys of each level, parents exact (the "
+                                  "authors' code); greedy is Algorithm 4 as written (each node's fov best, parents "
+                                  "by a k = 1 descent) over simple x composite P-DCI indices",
+                         choices=("level", "greedy"))
+    simple: int = param(1, "P-DCI simple indices per composite index (m; descent=greedy)", low=1)
+    composite: int = param(1, "P-DCI composite indices (L; descent=greedy)", low=1)
     window_offload: str = param("after", "when the oldest window page leaves the device on the step that fills the "
                                          "last page: before attention (the paper's Algorithm 1, lines 16-17) or after "
                                          "it (that step still reads it)", choices=("before", "after"))
@@ -230,19 +267,31 @@ class IceCache(Policy):
         if self.window_offload == "before" and self.window < 2 * self.page_size:
             raise ValueError(f"window_offload=before needs window >= 2 * page_size = {2 * self.page_size} (the "
                              f"page that leaves is not the one the new token fills), got {self.window}")
+        if self.descent == "level" and self.simple * self.composite > 1:
+            raise ValueError(f"simple * composite P-DCI indices > 1 need descent=greedy (the level descent "
+                             f"projects on one direction), got simple={self.simple}, composite={self.composite}")
+        if self.descent == "greedy" and self.batch != 1:
+            raise ValueError(f"descent=greedy checks P-DCI's stop after every point (batch=1), got batch={self.batch}")
         self.search = self.backend  # "reference": search.py's loops; else the fast forms
         self.host_backend = check_backend(self.backend)  # "reference" runs the eager kernels; see validate
 
     def validate(self, cfg):
         # never more retrieved pages than a tree over the context has (DCIForest.max_pages: the
         # full pages, plus one open page per parent): a budget past it costs what full KV costs
-        most_pages = self.max_len // self.page_size + self.max_len // FIRST_PROMOTION + 2
+        parents = self.max_len // FIRST_PROMOTION if self.promotion == "counter" else self.max_len  # at most
+        most_pages = self.max_len // self.page_size + parents + 2
         self.n_select = min((self.budget - self.sink - self.window) // self.page_size, most_pages)
+        G = cfg.n_heads // cfg.n_kv_heads
+        if self.gqa == "union" and self.n_select < G:
+            raise ValueError(f"gqa=union gives each of a group's {G} query heads K // G pages: the budget must leave "
+                             f"K >= {G} retrieved pages, got K = {self.n_select}")
         if self.skip_layers > cfg.n_layers:
             raise ValueError(f"skip_layers must be <= the model's {cfg.n_layers} layers, got {self.skip_layers}")
         if cfg.sliding_window is not None and cfg.sliding_window < self.max_len:
             raise ValueError("icecache does not combine with a sliding-window model (Mistral) shorter than max_len")
-        self.u = random_direction(cfg.head_dim, self.seed)  # one projection vector for all layers and heads
+        # the projection vectors, shared by all layers and heads: one (the default), or the m L of
+        # the P-DCI indices (descent=greedy); the first is the same either way
+        self.U = random_directions(cfg.head_dim, self.simple * self.composite, self.seed)
         # The tree and its keys live on the host, as in the paper (Sec. 4.3: the DCI query runs on
         # CPU threads, the selected pages are aggregated in a CPU buffer, sent in one PCIe copy and
         # scattered on the GPU): dci_scores and page_gather run where their tensors are, eager

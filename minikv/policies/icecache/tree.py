@@ -15,18 +15,27 @@ With c >= every key's norm, T_K(k) = [k/c, sqrt(1 - |k|^2/c^2)] and T_Q(q) = [q/
 vectors and |T_Q(q) - T_K(k)|^2 = 2 - 2 q.k/(|q| c): the nearest key has the largest q.k. Between
 keys, 1/2 |T_K(a) - T_K(b)|^2 = 1 - sim(a, b)/c^2, sim(a, b) = a.b + sqrt(c^2-|a|^2) sqrt(c^2-|b|^2).
 
-Decisions (docs/design.md, "icecache"; the authors' M-DCI code where the paper is silent):
+Decisions (docs/design.md, "icecache" and "The paper as a preset"). The default follows the
+authors' M-DCI code, also where it departs from the paper (the first, third and fourth points);
+icecache:paper's rules are the parameters named beside them:
   * one random unit vector u in R^{D+1} for every layer and head (m = 1 simple index, L = 1);
+    pdci.PDCIForest projects on m L of them (Sec. 3.3's several indices);
   * c is the running maximum key norm per head; when it grows every projection is recomputed
     from u[:D].k and |k|^2, so nothing stale survives (q.k itself does not depend on c);
   * promotion by a deterministic counter in insertion order: point t reaches level 2 when t + 1
-    is a multiple of 100 (ratio 0.01), each higher level every 5th (0.2); one level per point;
+    is a multiple of 100 (ratio 0.01), each higher level every 5th (0.2); one level per point.
+    promotion=random (icecache:paper) gives the forest the paper's levels instead, drawn ahead
+    by promotion_levels (Alg. 1 lines 29-33, Alg. 2: "while Random(0, 1) < r");
   * a point's parent is its nearest point one level up (largest sim, exactly; ties to the older);
+    descent=greedy (pdci.PDCIForest) finds it with the paper's QUERY(k, T, l + 1, 1) instead;
   * pages (the leaves) are runs of at most page_size children of one parent in projection order;
     an inserted point goes to its parent's open page, a new page when full: no token ever moves.
-    A point that opens a new top level adopts the old top level and the root's pages unchanged.
+    A point that opens a new top level adopts the old top level and the root's pages unchanged
+    (a point drawn more than one level above the top opens one level: the levels stay gapless).
 """
 from __future__ import annotations
+
+import random
 
 import torch
 
@@ -57,11 +66,37 @@ def levels_of(t: torch.Tensor, first: int = FIRST_PROMOTION, nxt: int = NEXT_PRO
     return level
 
 
+def promotion_stream(seed: int, layer: int) -> random.Random:
+    """The Random(0, 1) of the paper's promotion for the tree of `layer` (its KV heads share it):
+    Python's Mersenne Twister seeded with the string "icecache/<seed>/<layer>"."""
+    return random.Random(f"icecache/{seed}/{layer}")
+
+
+def promotion_levels(n: int, r: float, stream: random.Random) -> torch.Tensor:
+    """The paper's random promotion (Alg. 1 lines 29-33, Alg. 2) for points 0..n-1 in insertion
+    order, each taking its draws from `stream` after the points before it -> levels (n,) int64.
+    The draws of point t do not depend on when it is inserted, so the forest draws them ahead."""
+    levels = []
+    for _ in range(n):
+        level = 1  # start at the bottom level
+        while stream.random() < r:  # while Random(0, 1) < r: promote to the next higher level
+            level += 1
+        levels.append(level)
+    return torch.tensor(levels, dtype=torch.int64)
+
+
 def random_direction(head_dim: int, seed: int = 0) -> torch.Tensor:
     """The one projection vector u (D + 1,), unit norm, float32 (shared by all layers and heads)."""
+    return random_directions(head_dim, 1, seed)[0]
+
+
+def random_directions(head_dim: int, n: int, seed: int = 0) -> torch.Tensor:
+    """n projection vectors (n, D + 1), each of unit norm, float32: randn(D + 1) in float64 drawn
+    n times in turn from one generator seeded with `seed`, each normalised (the first is
+    random_direction's; one draw per vector, as torch draws a long tensor otherwise)."""
     g = torch.Generator().manual_seed(seed)
-    u = torch.randn(head_dim + 1, generator=g, dtype=torch.float64)
-    return (u / u.norm()).float()
+    u = torch.stack([torch.randn(head_dim + 1, generator=g, dtype=torch.float64) for _ in range(n)])
+    return (u / u.norm(dim=1, keepdim=True)).float()
 
 
 class DCIForest:
@@ -69,20 +104,24 @@ class DCIForest:
     insertion order: tree id t is the t-th key inserted. See the module docstring.
 
     slot_keys (H, max_pages P, D) float32: the index's copy of the keys, page by page (row c P + s
-    holds page c's slot s; empty slots are zero). Per point: level (shared by the heads: the counter
+    holds page c's slot s; empty slots are zero). Per point: level (shared by the heads: the promotion
     depends only on t), parent (H, cap), and its page and slot (H, cap): its row is page P + slot.
     Per page: fill (H, max_pages) and the tree id in each slot. watchers: what keeps state
     derived from the tree (the batched searches), told of each change (joined, changed)."""
 
     def __init__(self, *, n_heads: int, head_dim: int, page_size: int, capacity: int, u: torch.Tensor,
-                 first: int = FIRST_PROMOTION, nxt: int = NEXT_PROMOTION):
+                 first: int = FIRST_PROMOTION, nxt: int = NEXT_PROMOTION, levels: torch.Tensor | None = None):
         H, D, P = n_heads, head_dim, page_size
         self.H, self.D, self.P, self.cap = H, D, P, capacity
         self.first, self.nxt = first, nxt
+        # levels (capacity,): the level of each insertion index drawn ahead (promotion_levels);
+        # None: the deterministic counter (levels_of)
+        self.drawn = None if levels is None else levels[:capacity].clone()
         self.u = u.float()  # (D + 1,)
         # pages: every parent has at most one page that is not full (its open one), and the
-        # parents are the root and the points above level 1 (at most capacity // first)
-        self.max_pages = capacity // P + capacity // first + 2
+        # parents are the root and the points above level 1 (capacity // first under the counter)
+        parents = capacity // first if levels is None else int((self.drawn > 1).sum())
+        self.max_pages = capacity // P + parents + 2
         self.n = 0
         self.top = 0  # number of levels (0: empty tree)
         # the index's keys, page-major: (H, max_pages P, D), a point's row its page's P rows plus its
@@ -165,6 +204,13 @@ class DCIForest:
         self.proj[:, a:a + m] = self._project(self.uk[:, a:a + m], sq, self.c)
 
     # -- levels ----------------------------------------------------------------------------------
+    def levels_for(self, a: int, m: int) -> torch.Tensor:
+        """The levels (m,) the points a..a+m-1 are promoted to (before build removes empty levels
+        and insert caps them at one above the top)."""
+        if self.drawn is None:
+            return levels_of(torch.arange(a, a + m), self.first, self.nxt)
+        return self.drawn[a:a + m]
+
     def level_ids(self, level: int) -> torch.Tensor:
         """Tree ids on `level`, in insertion order (a point's place in it is pos_in_level)."""
         return self._level_ids.get(level, torch.zeros(0, dtype=torch.int64))
@@ -185,7 +231,7 @@ class DCIForest:
         if n == 0:
             return
         self._store(keys)
-        levels = levels_of(torch.arange(n), self.first, self.nxt)
+        levels = self.levels_for(0, n).unique(return_inverse=True)[1] + 1  # "Remove the empty levels"
         self.level[:n] = levels
         self.top = int(levels.max())
         for level in range(1, self.top + 1):
@@ -193,16 +239,27 @@ class DCIForest:
             self.pos_in_level[ids] = torch.arange(ids.numel())
             self._level_ids[level] = ids
         self.n = n
-        for level in range(1, self.top):  # each point's parent: its nearest point one level up
+        self._build_parents(keys)
+        for h in range(self.H):
+            self._cut_pages(h)
+        self._write_rows(torch.arange(n), keys)
+
+    def _build_parents(self, keys: torch.Tensor) -> None:
+        # each point's parent: its nearest point one level up (the top level's: the root, -1)
+        for level in range(1, self.top):
             ids, up = self.level_ids(level), self.level_ids(level + 1)
             k_up = keys[:, up].float()
             for a in range(0, len(ids), 4096):  # bounded temporaries: (H, 4096, n_{l+1})
                 chunk = ids[a:a + 4096]
                 sim = self._similarity(keys[:, chunk].float(), self.sq[:, chunk], k_up, self.sq[:, up])
                 self.parent[:, chunk] = up[sim.argmax(dim=2)]
-        for h in range(self.H):
-            self._cut_pages(h)
-        self._write_rows(torch.arange(n), keys)
+
+    def _find_parents(self, level: int, keys: torch.Tensor, run: torch.Tensor) -> torch.Tensor:
+        """Parents (H, r) on level + 1 of the points run (r,), keys (H, r, D), about to join `level`:
+        Alg. 4 with k = 1 at level l + 1, exactly (no point of the run is on level l + 1)."""
+        up = self.level_ids(level + 1)
+        sim = self._similarity(keys.float(), self.sq[:, run], self.key_rows(up), self.sq[:, up])
+        return up[sim.argmax(dim=2)]  # (H, r)
 
     def _cut_pages(self, h: int) -> None:
         # pages of head h: children of one parent, in projection order, runs of <= P
@@ -233,7 +290,7 @@ class DCIForest:
             return
         a = self.n
         self._store(keys)
-        levels = levels_of(torch.arange(a, a + m), self.first, self.nxt).tolist()
+        levels = self.levels_for(a, m).tolist()
         t = a
         while t < a + m:  # runs of points on one level: their parents in one product
             level = levels[t - a]
@@ -246,10 +303,8 @@ class DCIForest:
             run = torch.arange(t, end)
             if level == self.top:
                 parents = torch.full((self.H, end - t), -1, dtype=torch.int64)
-            else:  # Alg. 4 with k = 1 at level l + 1, exactly (no point of the run is on level l + 1)
-                up = self.level_ids(level + 1)
-                sim = self._similarity(keys[:, t - a:end - a].float(), self.sq[:, run], self.key_rows(up), self.sq[:, up])
-                parents = up[sim.argmax(dim=2)]  # (H, r)
+            else:
+                parents = self._find_parents(level, keys[:, t - a:end - a], run)
             self._add_to_level(run, level)
             for watcher in self.watchers:
                 watcher.joined(level, run)
