@@ -34,7 +34,7 @@ def examples():
 def test_the_correct_snapkv_agrees_with_its_oracle_on_every_tiny_model(examples):
     _, snapkv, _ = examples
     ran = check_policy(snapkv.MySnapKV, oracle=snapkv.snapkv_oracle, smollm2=False, backends=("eager",))
-    assert ran["oracle"] == ["llama_gqa", "qwen2_bias", "gpt_neox"]
+    assert ran["oracle"] == ["llama_gqa", "qwen2_bias", "gpt_neox", "gemma3_hybrid"]
 
 
 @pytest.mark.parametrize("bug", ["snapkv_window_short", "snapkv_groups_interleaved", "snapkv_one_query_head",
