@@ -1,6 +1,7 @@
 """gpu-check: without CUDA it exits 2 in one line (except --compile-only); its parts run on the
 CPU at tiny sizes, Triton's kernels in the interpreter (the same code a GPU runs at full size)."""
 import json
+import time
 
 import pytest
 import torch
@@ -105,13 +106,31 @@ def test_tests_that_need_the_weights_are_left_out_where_they_are_absent(monkeypa
 
 
 def test_tests_stopped_at_the_runs_limit_keep_their_summary(monkeypatch, tmp_path):
-    monkeypatch.setattr(gpu_check, "MIN_TEST_S", 0.5)  # pytest's start alone takes longer
-    sizes = gpu_check.Sizes(tests=("tests/kernels/test_compile.py", "-k", "refuse"), geometries=(), dtypes=(),
+    # One test passes, the next waits until it is stopped: the stop lands mid-run however fast
+    # pytest starts (the run waits for the first test's file before its limit starts to count).
+    started = tmp_path / "started"
+    (tmp_path / "test_waits.py").write_text(
+        "import pathlib, time\n"
+        "def test_passes():\n    pass\n"
+        f"def test_waits():\n    pathlib.Path({str(started)!r}).touch()\n    time.sleep(120)\n")
+    monkeypatch.setattr(gpu_check, "MIN_TEST_S", 60.0)
+    wait = gpu_check.subprocess.Popen.wait
+
+    def wait_until_started(proc, timeout=None):  # the limit counts from the second test's start
+        if timeout == 60.0:
+            while not started.exists() and proc.poll() is None:
+                time.sleep(0.05)
+            timeout = 0.5
+        return wait(proc, timeout=timeout)
+
+    monkeypatch.setattr(gpu_check.subprocess.Popen, "wait", wait_until_started)
+    sizes = gpu_check.Sizes(tests=(str(tmp_path / "test_waits.py"),), geometries=(), dtypes=(),
                             contexts=(), policies=(), new_tokens=2, prompt_tokens=8, speed_contexts=(), total_s=0)
     report = gpu_check.Report(sizes, str(tmp_path / "rows.json"))
     got = gpu_check.run_tests(sizes, report)
     assert got["stopped"] and got["ok"] and got["exit"] != 0  # interrupted, and nothing failed
-    assert not report.data["complete"] and report.data["not_run"] == ["tests: stopped after 0 s"]
+    assert got["summary"].startswith("1 passed")
+    assert not report.data["complete"] and report.data["not_run"] == ["tests: stopped after 60 s"]
 
 
 def test_all_parts_run_on_the_cpu(tmp_path):
