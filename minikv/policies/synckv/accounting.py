@@ -3,13 +3,15 @@ the last step and where the KV lives, for stats(), the budget checks and attenti
 
     Accounting.prefill, decode    record what the step read (the window and the dynamic sets as
                                   attention saw them; an anticipation may change both after it)
+    Accounting.fetch              counts the (NR-head, token) rows Eq. 7 copies in
+    read_tokens, slot_of          where the tokens the next step reads sit
     nr_read, device_tokens        tokens the heads read: R-heads their full KV, NR-heads static +
                                   dynamic + window
     attended_indices, last_read   the same, token by token
     resident_tokens               Mem% (Table 3): KV held on the device per KV head
-    report                        the figures stats() adds
-    anticipations, fetched        the layer's anticipation steps, from its step count; the
-                                  (NR-head, token) rows fetched, as the bank counts them
+    anticipations                 the layer's anticipation steps, from its step count
+    Report                        the policy's: the figures stats() adds, the read bound
+                                  check_policy holds, the bytes beside the KV
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ class Accounting:
     def __init__(self, policy, index: int):
         super().__init__(policy, index)
         self.read_dynamic, self.read_window = [list(d) for d in self.dynamic], range(0)  # nothing read yet
+        self.fetched = 0  # (NR-head, token) rows fetched so far
 
     def prefill(self, q, k, v, positions):
         out = super().prefill(q, k, v, positions)
@@ -41,9 +44,18 @@ class Accounting:
         """Anticipation steps so far: every m-th decode step, where there are NR-heads to serve."""
         return self.step // self.policy.m if self.policy.anticipation and self.nr_heads else 0
 
-    @property
-    def fetched(self) -> int:
-        return self.bank.fetched
+    def fetch(self, moves):
+        # Eq. 7's rows: each moved token, for every NR-head that reads its cluster's sets
+        self.fetched += sum(self.union or c == own for own in self.nr_cluster for c, _, _ in moves)
+        super().fetch(moves)
+
+    def read_tokens(self, c: int) -> list[int]:
+        """Token indices an NR-head of cluster c reads: static, dynamic, window (disjoint)."""
+        return [t for t, _ in self.read_slots(c)]
+
+    def slot_of(self, t: int, c: int) -> int:
+        """The device slot an NR-head of cluster c reads token t from."""
+        return dict(self.read_slots(c))[t]
 
     def budget_heads(self):
         return self.nr_heads  # the R-heads keep full KV: the budget bounds the others
@@ -94,6 +106,27 @@ class Accounting:
 
     def aux_bytes(self) -> tuple[int, int]:
         return self.selectable.numel() * self.selectable.element_size(), 0
+
+
+class Report:
+    """Mixin before Policy in SyncKV (policy.py): what it reports of its bound layers."""
+
+    def read_bound(self, budget: int) -> int:
+        # nr_reads=union (Algorithm 1 line 23): an NR-head reads every cluster's static and dynamic
+        # sets, up to N_r of each, and the window once
+        if self.nr_reads != "union":
+            return budget
+        n_sets = max(len(layer["clusters"]) for layer in self.clustering)
+        return n_sets * (budget - self.window_reads) + self.window_reads
+
+    def aux_bytes(self) -> tuple[int, int]:
+        return self.staging.nbytes() if self.staging is not None else (0, 0)
+
+    def stats(self) -> dict:
+        s = super().stats()  # (its device_tokens land every layer's fetch: overlap.py)
+        # n_r: the clusters per layer it ran (preset=paper: the paper's for the model)
+        s.update(report(self.layers), clustering_file=str(self.clustering_file), n_r=self.n_r_bound)
+        return s
 
 
 def report(layers: list) -> dict:

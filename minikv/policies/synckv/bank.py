@@ -27,7 +27,6 @@ class ContextBank:
                  offload: bool, staging: Staging | None):
         dev, D, pin = tiers.device, head_dim, tiers.pin
         self.tiers, self.offload = tiers, offload
-        self.fetched = 0  # (head, token) rows fetched so far, for stats
         shape = (1, n_heads, slots if offload else max_len, D)
         self.store_k = torch.zeros(shape, dtype=dtype, device=dev)  # read every step
         self.store_v = torch.zeros(shape, dtype=dtype, device=dev)
@@ -70,7 +69,6 @@ class ContextBank:
         n, n_bank, n_slots, D = len(rows), self.bank_k.shape[1], self.store_k.shape[2], self.store_k.shape[3]
         src = torch.tensor([h * n_bank + t for h, t, _ in rows])
         dst = torch.tensor([h * n_slots + s for h, _, s in rows])
-        self.fetched += n
 
         def gather(buffer):  # (>= 2n, D) pinned host rows
             torch.index_select(self.bank_k.view(-1, D), 0, src, out=buffer[:n])

@@ -87,29 +87,20 @@ class SyncKVLayer(LayerKV):
         n_sets = len(self.clusters) if self.union else 1
         return n_sets * self.k_static + (g if self.union else 0) * self.k_dyn + j
 
-    def read_slots(self, c: int, dynamic=None) -> list[tuple[int, int]]:
+    def read_slots(self, c: int) -> list[tuple[int, int]]:
         """(token, slot) an NR-head of cluster c reads: static, dynamic, window, each token once
         (under the union a token two clusters chose is read from the first slot holding it)."""
-        dynamic = dynamic or self.dynamic
         pairs = []
         for g in self.read_clusters(c):  # a set's j-th token sits in the set's first slot + j
             pairs += zip(self.static[g], count(self.static_slot(g, 0)))
         for g in self.read_clusters(c):
             first = self.dynamic_slot(g, 0)
-            pairs += [(t, first + j) for j, t in enumerate(dynamic[g]) if t >= 0]
+            pairs += [(t, first + j) for j, t in enumerate(self.dynamic[g]) if t >= 0]
         if self.dedup:
             seen = set()
             pairs = [(t, s) for t, s in pairs if not (t in seen or seen.add(t))]
         pairs += [(t, self.ring_slot(t)) for t in self.read_window_tokens()]
         return pairs if self.offload else [(t, t) for t, _ in pairs]
-
-    def read_tokens(self, c: int, dynamic=None) -> list[int]:
-        """Token indices an NR-head of cluster c reads: static, dynamic, window (disjoint)."""
-        return [t for t, _ in self.read_slots(c, dynamic)]
-
-    def slot_of(self, t: int, c: int) -> int:
-        """The device slot an NR-head of cluster c reads token t from."""
-        return dict(self.read_slots(c))[t]
 
     def nr_index(self) -> torch.Tensor:
         """(1, Hn, N) slots each NR-head reads, -1 padded."""

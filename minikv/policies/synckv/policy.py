@@ -6,7 +6,8 @@ https://openreview.net/forum?id=542c8KxeQt (no arXiv version, no public code).
 
 An offline clustering (Sec. 4.1; clusters.py, `python -m minikv.bench cluster-heads`) groups each
 layer's KV heads into N_r clusters, each with a representative head (R-head); the others are
-NR-heads. Where to read what (Algorithm 1's lines):
+NR-heads. binding.py settles at bind the clustering each layer runs; a step only reads it. Where
+to read what (Algorithm 1's lines):
 
     SyncKVLayer.prefill      lines 9-17: dense attention; R-heads keep their full KV on the
                              device, the NR-heads' KV goes whole to the host (bank.ContextBank)
@@ -27,57 +28,46 @@ NR-heads. Where to read what (Algorithm 1's lines):
     SyncKV.split             k = budget less the window ring's slots, into static and dynamic
 
 The paper's rules: `synckv:paper` (preset=paper: wide_layers=0, nr_reads=union, window=0,
-exclude_static=false, and N_r as Sec. 5.1 sets it, paper_n_r, at bind). Decisions (docs/design.md,
-"synckv" and "The paper as a preset"): the clustering unit is the KV head; Mem% counts R-heads at
-full length. By default the last `window` tokens, whatever their origin, are read by every head
-at every step; a token leaves the window only at a selection point (`slide_window`), as a
-candidate, so between anticipations the window grows to window + m - 1 tokens and budget = k +
-window + m - 1 (window=0, the paper's: the NR-heads read the sets only, budget = k, and the
-selections run over the whole attention vector). By default NR-heads read their own cluster's sets (Secs. 4.1 and 4.4: they reuse
-the indices of "the R-Head of their cluster"); Algorithm 1 lines 23-24 have every NR-head read the
-union over all clusters' sets, nr_reads=union (an NR-head then reads up to N_r (k_static + k_dyn)
-+ window tokens, each token once; at N_r = 1 the two are the same). The dynamic set is chosen
-among the tokens before the window its R-head has not made static (exclude_static=false: Eq. 6
-as written, static tokens included, each read once).
+exclude_static=false, and N_r as Sec. 5.1 sets it, binding.paper_n_r, at bind). Decisions
+(docs/design.md, "synckv" and "The paper as a preset"): the clustering unit is the KV head; Mem%
+counts R-heads at full length. By default the last `window` tokens, whatever their origin, are
+read by every head at every step; a token leaves the window only at a selection point
+(`slide_window`), as a candidate, so between anticipations the window grows to window + m - 1
+tokens and budget = k + window + m - 1 (window=0, the paper's: the NR-heads read the sets only,
+budget = k, and the selections run over the whole attention vector). By default NR-heads read
+their own cluster's sets (Secs. 4.1 and 4.4: they reuse the indices of "the R-Head of their
+cluster"); Algorithm 1 lines 23-24 have every NR-head read the union over all clusters' sets,
+nr_reads=union (an NR-head then reads up to N_r (k_static + k_dyn) + window tokens, each token
+once; at N_r = 1 the two are the same). The dynamic set is chosen among the tokens before the
+window its R-head has not made static (exclude_static=false: Eq. 6 as written, static tokens
+included, each read once).
 Table 3's ablations: offload=False is "w/o initialization", anticipation=False "w/o
 anticipation", m=1 "w/o suspension". Beyond the paper, wide_layers gives the layers whose heads
-agree least (by S, Eq. 2) more clusters than n_r (SyncKV.widen; docs/synckv.md measures why). The
+agree least (by S, Eq. 2) more clusters than n_r (binding.widen; docs/synckv.md measures why). The
 defaults, budget=512 and wide_layers=4 (full KV in the 4 layers whose heads agree least), are
 that variant: on SmolLM2 it keeps natural-text needles and perplexity that wide_layers=0 loses,
 and on Qwen2.5-Coder it ties it (docs/synckv.md).
 """
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from dataclasses import dataclass
 
 from ..contract import Policy, param
 from ..registry import register
 from ..overlap import background, policy_worker
 from ..pool import Staging
-from .accounting import Accounting, report
-from .clusters import FORMAT, config_sha256, find_clustering, least_agreeing_layers, read_similarity
+from .accounting import Accounting, Report
+from .binding import layer_clusterings, stand_in_spec
 from .layer import SyncKVLayer
 
 # the layer that runs: the rule, with its accounting beside it (accounting.py)
 AccountedLayer = type("SyncKVLayer", (Accounting, SyncKVLayer), {"__module__": __name__})
 
 
-def paper_n_r(cfg) -> int:
-    """N_r as the paper sets it (Sec. 5.1): "we set N_r to 2 for the Llama model and 1 for Qwen
-    model" (App. D: N_r = 2 its default). Qwen2 models take 1, the others 2, and no model more
-    than its KV heads less one: N_r = 2 of 2 KV heads makes both R-heads, full KV, nothing
-    compressed (docs/design.md, "The paper as a preset")."""
-    if cfg.model_type == "qwen2":
-        return 1
-    return max(1, min(2, cfg.n_kv_heads - 1))
-
-
 @register
 @dataclass(eq=False, kw_only=True)
-class SyncKV(Policy):
+class SyncKV(Report, Policy):
     """Representative heads anticipate every m steps; their clusters read only what they chose."""
 
     name = "synckv"
@@ -86,7 +76,7 @@ class SyncKV(Policy):
     # N_r clusters in every layer; Algorithm 1 lines 23-24: the union, no recent window; Eq. 6 over
     # the whole attention vector, static tokens included
     PAPER = dict(wide_layers=0, nr_reads="union", window=0, exclude_static=False)
-    PAPER_SIZES = dict(n_r=None)  # "N_r to 2 for the Llama model and 1 for Qwen model": paper_n_r, at bind
+    PAPER_SIZES = dict(n_r=None)  # "N_r to 2 for the Llama model and 1 for Qwen model": binding.paper_n_r
     # the contract matrix's data (contract.Policy, "What check_policy reads")
     covering_spec = "synckv:budget=160,window=32,m=3,wide_layers=0"
     small_spec, small_budget = "synckv:budget=48,window=8,m=3,wide_layers=0", 48  # of the NR-heads
@@ -95,23 +85,7 @@ class SyncKV(Policy):
 
     @classmethod
     def spec_for_model(cls, spec, cfg, workdir):
-        """A model with no shipped clustering gets one: for N_r = 1, layer 0 one cluster, the others
-        two; for N_r = 2 (synckv:paper on a Llama-style model, paper_n_r), two in every layer."""
-        try:
-            find_clustering(cfg, 1)
-            return spec
-        except ValueError:
-            H = cfg.n_kv_heads
-            two = [list(range(H - 1)), [H - 1]] if H > 1 else [[0]]
-            layers = [{"clusters": [list(range(H))], "r_heads": [0]}] + \
-                [{"clusters": two, "r_heads": [c[-1] for c in two]}] * (cfg.n_layers - 1)
-            doc = {"format": FORMAT, "model": {"name": "check_policy", "config_sha256": config_sha256(cfg),
-                                               "weights_sha256": "-", "n_layers": cfg.n_layers, "n_kv_heads": H},
-                   "corpus": {}, "seed": 0, "similarity": [],
-                   "clusterings": {"1": layers, "2": [{"clusters": two, "r_heads": [c[-1] for c in two]}] * cfg.n_layers}}
-            path = Path(workdir) / f"synckv_{config_sha256(cfg)[:12]}.json"
-            path.write_text(json.dumps(doc))
-            return f"{spec}{',' if ':' in spec else ':'}clusters={path}"
+        return stand_in_spec(spec, cfg, workdir)  # binding.py: a model with no shipped clustering gets one
 
     budget: int = param(512, "most tokens a non-representative KV head reads on the device: static + dynamic "
                              "+ window (with nr_reads=union, every cluster's static + dynamic); capped by the "
@@ -168,40 +142,8 @@ class SyncKV(Policy):
         self.k_static, self.k_dyn = min(k_static, self.max_len), min(k_dyn, self.max_len)
         if cfg.sliding_window is not None and cfg.sliding_window < self.max_len:
             raise ValueError("synckv does not combine with a sliding-window model (Mistral) shorter than max_len")
-        self.n_r_bound = self.n_r if self.n_r is not None else paper_n_r(cfg)
-        if self.n_r_bound > cfg.n_kv_heads:
-            raise ValueError(f"n_r must be <= the model's {cfg.n_kv_heads} KV heads, got {self.n_r}")
-        self.clustering, self.clustering_file = find_clustering(cfg, self.n_r_bound, self.clusters)
-        if self.wide_layers and not (self.wide_n_r == 0 and self.n_r_bound == cfg.n_kv_heads):  # else all R-heads
-            self.clustering = self.widen(cfg)
-        for i, layer in enumerate(self.clustering):
-            heads = sorted(h for c in layer["clusters"] for h in c)
-            ok = heads == list(range(cfg.n_kv_heads)) and len(layer["r_heads"]) == len(layer["clusters"])
-            if not ok or any(r not in c for r, c in zip(layer["r_heads"], layer["clusters"])):
-                raise ValueError(f"{self.clustering_file}: layer {i}'s clusters do not partition the KV heads")
-
-    def read_bound(self, budget: int) -> int:
-        # nr_reads=union (Algorithm 1 line 23): an NR-head reads every cluster's static and dynamic
-        # sets, up to N_r of each, and the window once
-        if self.nr_reads != "union":
-            return budget
-        n_sets = max(len(layer["clusters"]) for layer in self.clustering)
-        return n_sets * (budget - self.window_reads) + self.window_reads
-
-    def widen(self, cfg) -> list[dict]:
-        """Uneven N_r over layers: the wide_layers layers whose heads agree least take the file's
-        clustering for wide_n_r clusters (their R-heads stay whole: Mem% rises by their share).
-        wide_n_r = 0: a cluster per KV head, every head of those layers whole (full KV there)."""
-        H = cfg.n_kv_heads
-        wide_n_r = self.wide_n_r or H
-        if not self.n_r_bound < wide_n_r <= H:
-            raise ValueError(f"wide_n_r must be > n_r ({self.n_r_bound}) and <= the model's {H} KV heads, got {wide_n_r}")
-        wide = least_agreeing_layers(read_similarity(self.clustering_file), min(self.wide_layers, cfg.n_layers))
-        if wide_n_r == H:
-            more = [{"clusters": [[h] for h in range(H)], "r_heads": list(range(H))} for _ in range(cfg.n_layers)]
-        else:
-            more, _ = find_clustering(cfg, wide_n_r, str(self.clustering_file))
-        return [more[i] if i in wide else layer for i, layer in enumerate(self.clustering)]
+        # the clustering each layer runs, N_r clusters in every layer but the wide ones (binding.py)
+        self.n_r_bound, self.clustering, self.clustering_file = layer_clusterings(self, cfg)
 
     def allocate_shared(self) -> None:
         # one pair of staging buffers for all layers (they fetch one after another), as large as the
@@ -218,12 +160,3 @@ class SyncKV(Policy):
         if self.worker.background:
             return background(AccountedLayer, "top_dynamic", "fetch_dynamic")(self, index)
         return AccountedLayer(self, index)
-
-    def aux_bytes(self) -> tuple[int, int]:
-        return self.staging.nbytes() if self.staging is not None else (0, 0)
-
-    def stats(self) -> dict:
-        s = super().stats()  # (its device_tokens land every layer's fetch: overlap.py)
-        # n_r: the clusters per layer it ran (preset=paper: the paper's for the model)
-        s.update(report(self.layers), clustering_file=str(self.clustering_file), n_r=self.n_r_bound)
-        return s
