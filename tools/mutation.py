@@ -58,7 +58,7 @@ SCOPES = {
     "icecache": ([f"{POL}/icecache/{m}.py" for m in ("tree", "search", "policy")],
                  [f"{T}/test_icecache_paper.py", f"{T}/test_dci.py", f"{T}/test_icecache.py",
                   f"{T}/test_icecache_kills.py", *NOT_MODELS]),
-    "synckv": ([f"{POL}/synckv/{m}.py" for m in ("bank", "clusters", "layer", "accounting", "policy")],
+    "synckv": ([f"{POL}/synckv/{m}.py" for m in ("bank", "clusters", "binding", "layer", "accounting", "policy")],
                [f"{T}/test_synckv_paper.py", f"{T}/test_synckv_clusters.py", f"{T}/test_synckv.py",
                 f"{T}/test_synckv_kills.py", *NOT_MODELS]),
     # what every policy stands on (not a paper's step): the contract, parameters, tiers, pools, the
