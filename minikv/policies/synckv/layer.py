@@ -87,15 +87,20 @@ class SyncKVLayer(LayerKV):
         n_sets = len(self.clusters) if self.union else 1
         return n_sets * self.k_static + (g if self.union else 0) * self.k_dyn + j
 
-    def read_slots(self, c: int) -> list[tuple[int, int]]:
-        """(token, slot) an NR-head of cluster c reads: static, dynamic, window, each token once
-        (under the union a token two clusters chose is read from the first slot holding it)."""
+    def set_slots(self, c: int) -> list[tuple[int, int]]:
+        """(token, slot) of the static, then the dynamic sets an NR-head of cluster c holds: its
+        own cluster's, or every cluster's under the union."""
         pairs = []
         for g in self.read_clusters(c):  # a set's j-th token sits in the set's first slot + j
             pairs += zip(self.static[g], count(self.static_slot(g, 0)))
         for g in self.read_clusters(c):
-            first = self.dynamic_slot(g, 0)
-            pairs += [(t, first + j) for j, t in enumerate(self.dynamic[g]) if t >= 0]
+            pairs += [(t, s) for t, s in zip(self.dynamic[g], count(self.dynamic_slot(g, 0))) if t >= 0]
+        return pairs
+
+    def read_slots(self, c: int) -> list[tuple[int, int]]:
+        """(token, slot) an NR-head of cluster c reads: static, dynamic, window, each token once
+        (under the union a token two clusters chose is read from the first slot holding it)."""
+        pairs = self.set_slots(c)
         if self.dedup:
             seen = set()
             pairs = [(t, s) for t, s in pairs if not (t in seen or seen.add(t))]
@@ -150,10 +155,7 @@ class SyncKVLayer(LayerKV):
     def held_slots(self, c: int) -> list[tuple[int, int]]:
         """(token, slot) of every slot an NR-head of cluster c fills: like read_slots, but a
         token two clusters chose is in both of their slots."""
-        pairs = [(t, self.static_slot(g, j)) for g in self.read_clusters(c) for j, t in enumerate(self.static[g])]
-        pairs += [(t, self.dynamic_slot(g, j)) for g in self.read_clusters(c)
-                  for j, t in enumerate(self.dynamic[g]) if t >= 0]
-        return pairs + [(t, self.ring_slot(t)) for t in self.window_tokens()]
+        return self.set_slots(c) + [(t, self.ring_slot(t)) for t in self.window_tokens()]
 
     def decode(self, q, k, v, positions):
         # q (1, Hq, 1, D); k, v (1, Hkv, 1, D)
