@@ -42,34 +42,27 @@ Quest: select with q_t and recall before every attention. Layers below `skip_lay
 rescore > 1 (not in the paper) lets the digests shortlist rescore x K pages and keeps the K whose
 keys hold the most exact attention (FreeKVLayer.exact_mass_top). Backends: `reference` gathers the
 device pages and attends densely, `eager` reads the pool in place (pool_fast.pool_attention),
-`triton` runs the kernels. The statistics are recorded beside the rule (freekv_counts.py), the
-parameter checks are paged_checks.py's.
+`triton` runs the kernels. The policy object, its parameters (budget = 256, tau = 0.9 by default)
+and its layers' construction are freekv_policy.py's; the statistics freekv_counts.py's.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ..kernels.page_scores import GROUP_REDUCES, page_scores
-from .contract import LayerKV, Policy, dense_attention, param
-from .freekv_counts import Counts, Reports
-from .full import FullLayer
-from .host_pages import DIGESTS, HostPages
+from ..kernels.page_scores import page_scores
+from .contract import dense_attention
+from .host_pages import HostPages
 from .paged import PagedKV
-from .paged_checks import check_freekv, check_freekv_model
 from .paged_stats import PagedLayer
-from .pool import Staging
-from .pool_fast import pool_attention
-from .registry import register
 
 
 class FreeKVLayer(PagedLayer):
     next_step = ("select_next", "recall_next")  # what overlap.py may run beside the model
 
-    def __init__(self, policy: "FreeKV", index: int):
+    def __init__(self, policy, index: int):  # policy: freekv_policy.FreeKV, bound
         super().__init__(policy, index)
         cfg, P = policy.cfg, policy.page_size
         self.K = policy.n_select
@@ -78,8 +71,7 @@ class FreeKVLayer(PagedLayer):
         self.kv = PagedKV(candidates=self.pages, n_kv=cfg.n_kv_heads, head_dim=cfg.head_dim, page_size=P,
                           max_len=policy.max_len, n_sink=policy.sink // P, n_select=self.K,
                           n_window=policy.window // P + 1, dtype=policy.dtype, tiers=policy.tiers,
-                          backend=policy.backend, staging=policy.staging,
-                          attention=pool_attention if policy.backend == "eager" else None)
+                          backend=policy.backend, staging=policy.staging, attention=policy.pool_attention)
         self.G = cfg.n_heads // cfg.n_kv_heads
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.prev_q = None  # (Hq, D) the previous step's query, float32, each head of unit norm
@@ -194,67 +186,3 @@ class FreeKVLayer(PagedLayer):
         pages, heads = selection
         if pages is not None and (heads is None or any(heads)):
             self.kv.recall(pages, heads=heads, background=True)
-
-
-# the layer that runs: the rule, with its statistics recorded beside it (freekv_counts.py)
-CountedLayer = type("FreeKVLayer", (Counts, FreeKVLayer), {"__module__": __name__})
-
-
-@register
-@dataclass(eq=False, kw_only=True)
-class FreeKV(Reports, Policy):
-    """Speculative page retrieval with fine-grained correction over a paged, offloaded KV cache."""
-
-    name = "freekv"
-    max_batch = 1
-    kernels = ("page_scores", "paged_attention", "page_gather", "page_layout", "decode_attention")  # skip_layers: full
-    PAPER = dict(digest="minmax")  # the text's "min-max pooled keys (similar to Quest)"
-    PAPER_SIZES = dict(budget=2048)  # "Budget B was fixed at 2048" (Experiments)
-    # the contract matrix's data (contract.Policy, "What check_policy reads")
-    covering_spec = "freekv:page_size=4,budget=160,sink=4,window=8"
-    small_spec, small_budget = "freekv:page_size=4,budget=24,sink=4,window=8", 24
-    stats_keys = ("correction_rate", "pages_recalled", "pages_recalled_per_step", "speculative_exact_rate")
-    offloads = True
-
-    page_size: int = param(32, low=1)
-    budget: int = param(256, low=0, multiple_of="page_size")
-    sink: int = param(32, low=0, multiple_of="page_size")
-    window: int = param(32, low=0, multiple_of="page_size")
-    tau: float = param(0.9, "correction threshold on the cosine of consecutive queries", low=-1.0, high=1.0)
-    speculative: bool = param(True, "select with the previous step's query (speculative retrieval)")
-    group_reduce: str = param("softmax_mean", "how a GQA group's page scores become one", choices=GROUP_REDUCES)
-    digest: str = param("quant2", "page summary: quant2 (beyond the papers: Quest's box and 2-bit codes of each key, "
-                                  "pages scored by their approximate attention mass), minmax (the paper's min-max "
-                                  "pooled keys, Quest's bound) or arkvale (ArkVale's box, which FreeKV's code builds "
-                                  "on)", choices=DIGESTS)
-    skip_layers: int = param(0, low=0)
-    rescore: int = param(0, "beyond the paper: shortlist rescore x K pages by the digest, keep the K whose keys "
-                            "take the most exact attention (0: the paper's selection)", low=0)
-    overlap: bool = param(True, "select the next step's pages on a worker thread while the model computes "
-                                "(speculative, backend=eager; reference and triton stay synchronous): one more "
-                                "thread, the same tokens")
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_freekv(self)  # paged_checks.py
-
-    def validate(self, cfg):
-        check_freekv_model(self, cfg)
-        # the selected pages: the budget less sink, window and the partly filled last page, and never
-        # more than the context has (a budget past it costs what full KV costs)
-        declared = (self.budget - self.sink - self.window) // self.page_size - 1
-        self.n_select = min(declared, math.ceil(self.max_len / self.page_size))
-
-    def allocate_shared(self) -> None:
-        # one pair of staging buffers for all layers (they recall one after another)
-        self.staging = Staging((self.cfg.n_kv_heads * self.n_select, 2, self.page_size, self.cfg.head_dim),
-                               self.dtype, self.tiers)
-
-    def overlaps(self) -> bool:
-        # select_next beside the model (overlap.py) on backend=eager only: reference is the readable
-        # form, and Triton's CPU interpreter is not thread-safe (on CUDA the recall already runs on a
-        # side stream; the kernels untried here)
-        return self.overlap and self.speculative and self.backend == "eager"
-
-    def make_layer(self, index: int) -> LayerKV:
-        return FullLayer(self, index) if index < self.skip_layers else CountedLayer(self, index)
