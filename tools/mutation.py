@@ -52,7 +52,7 @@ SCOPES = {
     "freekv": ([f"{POL}/freekv.py", f"{POL}/freekv_policy.py", f"{POL}/freekv_counts.py", f"{POL}/paged_checks.py"],
                [f"{T}/test_freekv_paper.py", f"{T}/test_freekv.py", f"{T}/test_freekv_kills.py", *NOT_MODELS]),
     # paged.py serves freekv and icecache: both policies' tests judge it
-    "paged": ([f"{POL}/paged.py", f"{POL}/host_pages.py", f"{POL}/paged_stats.py"], [f"{T}/test_paged.py", f"{T}/test_paged_kills.py", f"{T}/test_freekv_paper.py",
+    "paged": ([f"{POL}/paged.py", f"{POL}/paged_prefill.py", f"{POL}/host_pages.py", f"{POL}/paged_stats.py"], [f"{T}/test_paged.py", f"{T}/test_paged_kills.py", f"{T}/test_freekv_paper.py",
                                     f"{T}/test_freekv_kills.py", f"{T}/test_icecache.py", f"{T}/test_icecache_kills.py",
                                     *NOT_MODELS]),
     "icecache": ([f"{POL}/icecache/{m}.py" for m in ("tree", "search", "policy")],

@@ -12,7 +12,8 @@ Page p holds tokens [p P, (p + 1) P). Three kinds of pages, each with its own ho
 
 Where to read what:
 
-    PagedKV.prefill, append        the prompt, then one token into the partly filled last page
+    PagedKV.append                 one token into the partly filled last page (the prompt:
+                                   paged_prefill.py, the state its tokens' appends would reach)
     PagedKV.roll                   the last page filled and the ring is full: the oldest window
                                    page is offloaded and becomes a candidate (leave_window, then
                                    store; icecache's paper order runs attention between the two)
@@ -36,14 +37,16 @@ import torch
 
 from ..kernels.page_gather import page_gather
 from ..kernels.page_layout import hnd_to_nhd
+from .paged_prefill import PagedPrefill
 from .paged_stats import PagedStats
 from .pool import PagePool, Staging, assign_slots
 from .tiers import backend_on
 
 
-class PagedKV(PagedStats):
+class PagedKV(PagedPrefill, PagedStats):
     """Paged KV of one layer for one sequence (batch 1): a PagePool and a candidate store (see the
-    module docstring); what it holds and what attention read are counted in paged_stats.py.
+    module docstring). The prompt comes in through paged_prefill.py (prefill: the state T appends
+    would reach); what it holds and what attention read are counted in paged_stats.py.
     `attention`: the pool's (pool.PagePool), None for kernels/paged_attention under `backend`."""
 
     def __init__(self, *, candidates, n_kv: int, head_dim: int, page_size: int, max_len: int, n_sink: int,
@@ -80,27 +83,6 @@ class PagedKV(PagedStats):
         return page if page < self.n_sink else self.w0 + (page - self.n_sink) % self.n_window
 
     # -- writing -----------------------------------------------------------------------------
-    def prefill(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store a prompt: k, v (1, Hkv, T, D). Ends in the state T appends would reach."""
-        T, P = k.shape[2], self.P
-        n_pages = math.ceil(T / P)
-        if n_pages > self.max_pages:
-            raise ValueError(f"{T} tokens exceed the capacity of {self.max_pages} pages of {P}")
-        sink = min(n_pages, self.n_sink)
-        rest = n_pages - sink
-        # after the last token of a full page, a full ring has already rolled (see append)
-        kept = min(rest, self.n_window - 1 if T % P == 0 else self.n_window)
-        n_cand = rest - kept
-        for p in list(range(sink)) + list(range(sink + n_cand, n_pages)):  # sink and window pages
-            self.pool.write(self.slot_of(p), k[0, :, p * P:(p + 1) * P], v[0, :, p * P:(p + 1) * P])
-        if n_cand:
-            a, b = sink * P, (sink + n_cand) * P
-            kc = k[0, :, a:b].reshape(self.Hkv, n_cand, P, self.D).permute(1, 2, 0, 3)  # (n, P, Hkv, D) NHD view
-            vc = v[0, :, a:b].reshape(self.Hkv, n_cand, P, self.D).permute(1, 2, 0, 3)
-            self.n_cand = n_cand
-            self.store(kc, vc, 0)
-        self.length = T
-
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """One new token: k, v (1, Hkv, 1, D) into the partly filled last page of the window."""
         page, off = divmod(self.length, self.P)
