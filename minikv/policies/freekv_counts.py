@@ -3,8 +3,7 @@ wraps four of the layer's functions and reads their arguments and results, and a
 accounting (what the host holds, what attention read); `Reports` (the policy's) turns the counts
 into the stats() figures.
 
-    prefill         the pages recalled count from the first decode step  -> kv.pages_recalled
-
+    prefill         the pages recalled count from the first decode step    -> kv.pages_recalled
     decode          every decode step of the layer                         -> decode_steps
     drifted_heads   C_m per KV head at a step that chooses (more
                     candidates than K): the heads judged, the drifted ones -> head_steps,
