@@ -46,7 +46,7 @@ class PagePool:
     def __init__(self, *, n_slots: int, page_size: int, n_kv: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, backend: str, attention=None):
         S, P, H, D = n_slots, page_size, n_kv, head_dim
-        self.S, self.P = S, P
+        self.S, self.P, self.backend = S, P, backend
         self.k_pages = torch.zeros(S, P, H, D, dtype=dtype, device=device)  # NHD
         self.v_pages = torch.zeros(S, P, H, D, dtype=dtype, device=device)
         self.page_table = torch.arange(S, dtype=torch.int32, device=device).expand(1, H, S).contiguous()
