@@ -221,8 +221,7 @@ class Policy(TierStats, ABC):
     @abstractmethod
     def make_layer(self, index: int) -> LayerKV: ...
 
-    def overlaps(self) -> bool:
-        """Whether a layer's next selection runs on a worker beside the model (overlap.py)."""
+    def overlaps(self) -> bool:  # whether a layer's next selection runs on a worker beside the model (overlap.py)
         return False
 
     @classmethod

@@ -39,7 +39,7 @@ from types import MethodType
 
 import torch
 
-from .worker import policy_worker  # noqa: F401  (the worker a policy keeps, re-exported for it)
+from .worker import policy_worker  # (synckv/policy.py imports it from here too)
 
 
 @cache
@@ -81,10 +81,11 @@ def make_layers(policy) -> list:
     its worker (one per policy object, kept across binds: policy_worker) and each layer whose class
     names its `next_step` takes that class's background form: the same object, whose class gains
     the methods above and no state."""
+    if not policy.overlaps():
+        return [policy.make_layer(i) for i in range(policy.cfg.n_layers)]
+    policy.worker = policy_worker(policy, True)  # reset: what it still runs reads the old layers
     layers = [policy.make_layer(i) for i in range(policy.cfg.n_layers)]
-    if policy.overlaps():
-        policy.worker = policy_worker(policy, True)
-        for layer in layers:
-            if getattr(layer, "next_step", None):
-                layer.__class__ = background(type(layer), *layer.next_step)
+    for layer in layers:
+        if getattr(layer, "next_step", None):
+            layer.__class__ = background(type(layer), *layer.next_step)
     return layers
