@@ -49,10 +49,10 @@ SCOPES = {
     "softfreeze": ([f"{POL}/softfreeze/schedule.py", f"{POL}/softfreeze/policy.py"],
                    [f"{T}/test_softfreeze_schedule.py", f"{T}/test_softfreeze_paper.py", f"{T}/test_softfreeze_kills.py",
                     "-k", "not one_pass"]),
-    "freekv": ([f"{POL}/freekv.py", f"{POL}/freekv_counts.py"],
+    "freekv": ([f"{POL}/freekv.py", f"{POL}/freekv_policy.py", f"{POL}/freekv_counts.py", f"{POL}/paged_checks.py"],
                [f"{T}/test_freekv_paper.py", f"{T}/test_freekv.py", f"{T}/test_freekv_kills.py", *NOT_MODELS]),
     # paged.py serves freekv and icecache: both policies' tests judge it
-    "paged": ([f"{POL}/paged.py", f"{POL}/paged_stats.py"], [f"{T}/test_paged.py", f"{T}/test_paged_kills.py", f"{T}/test_freekv_paper.py",
+    "paged": ([f"{POL}/paged.py", f"{POL}/paged_prefill.py", f"{POL}/host_pages.py", f"{POL}/paged_stats.py"], [f"{T}/test_paged.py", f"{T}/test_paged_kills.py", f"{T}/test_freekv_paper.py",
                                     f"{T}/test_freekv_kills.py", f"{T}/test_icecache.py", f"{T}/test_icecache_kills.py",
                                     *NOT_MODELS]),
     "icecache": ([f"{POL}/icecache/{m}.py" for m in ("tree", "search", "policy")],
@@ -65,7 +65,7 @@ SCOPES = {
     # worker thread, full KV; judged by the contract matrix, the spec, worker, recall-order, paged
     # store, tiers, accounting and plugin tests, two policies' kill tests (their bytes and dtypes),
     # --help and a ragged batch
-    "shared": ([f"{POL}/{m}.py" for m in ("contract", "registry", "stats", "params", "tiers", "pool", "worker",
+    "shared": ([f"{POL}/{m}.py" for m in ("contract", "registry", "stats", "params", "tiers", "pool", "pool_fast", "worker",
                                           "overlap", "full")],
                [f"{T}/test_contract.py", f"{T}/test_spec.py", f"{T}/test_worker.py", f"{T}/test_recall_order.py",
                 f"{T}/test_paged.py", f"{T}/test_tiers.py", f"{T}/test_accounting.py", f"{T}/test_freekv_kills.py",

@@ -13,7 +13,7 @@ from . import full  # noqa: F401  (registers "full")
 __all__ = ["LayerKV", "Policy", "StepAction", "Tiers", "available", "make", "param", "register", "register_policy"]
 from . import streaming  # noqa: F401
 from . import softfreeze  # noqa: F401
-from . import freekv  # noqa: F401
+from . import freekv_policy  # noqa: F401  (registers "freekv"; its rule: freekv.py)
 from . import icecache  # noqa: F401
 from . import synckv  # noqa: F401
 from . import h2o  # noqa: F401

@@ -40,6 +40,7 @@ from ..config import ModelConfig
 from ..kernels import check_backend
 from ..models.attention import dense_attention  # noqa: F401  (re-exported: the attention `out` must equal)
 from ..models.rope import RotaryEmbedding
+from .overlap import make_layers
 from .params import PRESETS, apply_preset, check_fields, param, preset_conflicts
 from .stats import TierStats
 from .tiers import Tiers
@@ -190,7 +191,7 @@ class Policy(TierStats, ABC):
         self.last_action = None
         self.reset_counts()
         self.allocate_shared()
-        self.layers = [self.make_layer(i) for i in range(cfg.n_layers)]
+        self.layers = make_layers(self)  # make_layer's, beside the model where it overlaps (overlap.py)
         self.windows = {}
         if windows:
             from .window import WindowLayer
@@ -219,6 +220,9 @@ class Policy(TierStats, ABC):
 
     @abstractmethod
     def make_layer(self, index: int) -> LayerKV: ...
+
+    def overlaps(self) -> bool:  # whether a layer's next selection runs on a worker beside the model (overlap.py)
+        return False
 
     @classmethod
     def spec_for_model(cls, spec: str, cfg: ModelConfig, workdir) -> str:

@@ -19,51 +19,50 @@ paper's flow (FreeKVLayer.decode):
     attend               sink + selected + window pages (paged.PagedKV.attend)
     select the next      after attention, q_t's pages for step t + 1 (FreeKVLayer.select_next),
                          recalled in the background (recall_next); with overlap=true the two run
-                         beside the model's next layers (policies/overlap.py: the policy's rule
+                         beside the model's next layers (overlap.py schedules them: the rule
                          stays this synchronous code)
 
     FreeKVLayer.select   group-consistent top-K per KV head, S_m = sum_j softmax(P_{(m-1)G+j}) / G
                          (kernels/page_scores); P_h[n] = sum_d max(q_d lo_{n,d}, q_d hi_{n,d})
                          over a page's digest box (Quest's bound), or with digest=quant2 the coded
                          keys' mass P_h[n] = log sum_t exp(q . k^_t)
-    paged.HostPages      host pages (HND) and their digests lo, hi (paged.page_digest), and
-                         quant2's 2-bit key codes (page_scores.pack_codes)
+    host_pages.HostPages host pages (HND) and their digests lo, hi (host_pages.page_digest),
+                         and quant2's 2-bit key codes (page_scores.pack_codes)
     paged.PagedKV        sink, window and selected slots; a recall copies only missing pages
 
 The paper's rules: `freekv:paper` (preset=paper: digest=minmax, the min-max pooled keys of the
-text, at the paper's budget B = 2048 unless a budget is given). Decisions (docs/design.md, "freekv" and "The paper as a preset"): the default digest,
-digest=quant2, is beyond the papers: Quest's min/max box plus a 2-bit code of every key in it,
-pages ranked by the attention their coded keys would take (a bound ranks a natural-text
-needle's page low: docs/needle_mass.md); digest=arkvale is ArkVale's box (centre +- mean
-|k - centre|, what FreeKV's code builds on). The page softmax scales P_h by 1/sqrt(D); one
-selection serves every KV head of a step; the last `window` tokens are always read, so budget =
-sink + window + P (the partly filled last page) + P K. speculative=False is plain Quest: select
-with q_t and recall before every attention. Layers below `skip_layers` keep full KV. rescore > 1
-(not in the paper) lets the digests shortlist rescore x K pages and keeps the K whose keys hold
-the most exact attention (FreeKVLayer.exact_mass_top). Backends: `reference` gathers the device
-pages and attends densely, `eager` reads the pool in place (pool.pool_attention), `triton` runs
-the kernels.
+text, at the paper's budget B = 2048 unless a budget is given). Decisions (docs/design.md, "freekv"
+and "The paper as a preset"): the default digest, digest=quant2, is beyond the papers: Quest's
+min/max box plus a 2-bit code of every key in it, pages ranked by the attention their coded keys
+would take (a bound ranks a natural-text needle's page low: docs/needle_mass.md); digest=arkvale is
+ArkVale's box (centre +- mean |k - centre|, what FreeKV's code builds on). The page softmax scales
+P_h by 1/sqrt(D); one selection serves every KV head of a step; the last `window` tokens are always
+read, so budget = sink + window + P (the partly filled last page) + P K. speculative=False is plain
+Quest: select with q_t and recall before every attention. Layers below `skip_layers` keep full KV.
+rescore > 1 (not in the paper) lets the digests shortlist rescore x K pages and keeps the K whose
+keys hold the most exact attention (FreeKVLayer.exact_mass_top). Backends: `reference` gathers the
+device pages and attends densely, `eager` reads the pool in place (pool_fast.pool_attention),
+`triton` runs the kernels. The policy object, its parameters (budget = 256, tau = 0.9 by default)
+and its layers' construction are freekv_policy.py's; the statistics freekv_counts.py's.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ..kernels.page_scores import GROUP_REDUCES, page_scores
-from .contract import LayerKV, Policy, dense_attention, param
-from .registry import register
-from .full import FullLayer
-from .paged import DIGESTS, HostPages, PagedKV, PagedLayer, check_page_geometry
-from .freekv_counts import Counts, report
-from .overlap import background, policy_worker
-from .pool import Staging
+from ..kernels.page_scores import page_scores
+from .contract import dense_attention
+from .host_pages import HostPages
+from .paged import PagedKV
+from .paged_stats import PagedLayer
 
 
 class FreeKVLayer(PagedLayer):
-    def __init__(self, policy: "FreeKV", index: int):
+    next_step = ("select_next", "recall_next")  # what overlap.py may run beside the model
+
+    def __init__(self, policy, index: int):  # policy: freekv_policy.FreeKV, bound
         super().__init__(policy, index)
         cfg, P = policy.cfg, policy.page_size
         self.K = policy.n_select
@@ -72,7 +71,7 @@ class FreeKVLayer(PagedLayer):
         self.kv = PagedKV(candidates=self.pages, n_kv=cfg.n_kv_heads, head_dim=cfg.head_dim, page_size=P,
                           max_len=policy.max_len, n_sink=policy.sink // P, n_select=self.K,
                           n_window=policy.window // P + 1, dtype=policy.dtype, tiers=policy.tiers,
-                          backend=policy.backend, staging=policy.staging)
+                          backend=policy.backend, staging=policy.staging, attention=policy.pool_attention)
         self.G = cfg.n_heads // cfg.n_kv_heads
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.prev_q = None  # (Hq, D) the previous step's query, float32, each head of unit norm
@@ -126,7 +125,6 @@ class FreeKVLayer(PagedLayer):
         q_last = q[:, :, -1]  # (1, Hq, D)
         self.prev_q = self._unit(q_last) if self.policy.speculative else None
         self.kv.recall(self.select(q_last))  # the pages the first decode step will read
-        self.kv.pages_recalled = 0  # stats count recalls while decoding
         return out
 
     def decode(self, q, k, v, positions):
@@ -188,83 +186,3 @@ class FreeKVLayer(PagedLayer):
         pages, heads = selection
         if pages is not None and (heads is None or any(heads)):
             self.kv.recall(pages, heads=heads, background=True)
-
-
-# the layer that runs: the rule, with its statistics recorded beside it (freekv_counts.py)
-CountedLayer = type("FreeKVLayer", (Counts, FreeKVLayer), {"__module__": __name__})
-
-
-@register
-@dataclass(eq=False, kw_only=True)
-class FreeKV(Policy):
-    """Speculative page retrieval with fine-grained correction over a paged, offloaded KV cache."""
-
-    name = "freekv"
-    max_batch = 1
-    kernels = ("page_scores", "paged_attention", "page_gather", "page_layout", "decode_attention")  # skip_layers: full
-    PAPER = dict(digest="minmax")  # the text's "min-max pooled keys (similar to Quest)"
-    PAPER_SIZES = dict(budget=2048)  # "Budget B was fixed at 2048" (Experiments)
-    # the contract matrix's data (contract.Policy, "What check_policy reads")
-    covering_spec = "freekv:page_size=4,budget=160,sink=4,window=8"
-    small_spec, small_budget = "freekv:page_size=4,budget=24,sink=4,window=8", 24
-    stats_keys = ("correction_rate", "pages_recalled", "pages_recalled_per_step", "speculative_exact_rate")
-    offloads = True
-
-    page_size: int = param(32, low=1)
-    budget: int = param(256, low=0, multiple_of="page_size")
-    sink: int = param(32, low=0, multiple_of="page_size")
-    window: int = param(32, low=0, multiple_of="page_size")
-    tau: float = param(0.9, "correction threshold on the cosine of consecutive queries", low=-1.0, high=1.0)
-    speculative: bool = param(True, "select with the previous step's query (speculative retrieval)")
-    group_reduce: str = param("softmax_mean", "how a GQA group's page scores become one", choices=GROUP_REDUCES)
-    digest: str = param("quant2", "page summary: quant2 (beyond the papers: Quest's box and 2-bit codes of each key, "
-                                  "pages scored by their approximate attention mass), minmax (the paper's min-max "
-                                  "pooled keys, Quest's bound) or arkvale (ArkVale's box, which FreeKV's code builds "
-                                  "on)", choices=DIGESTS)
-    skip_layers: int = param(0, low=0)
-    rescore: int = param(0, "beyond the paper: shortlist rescore x K pages by the digest, keep the K whose keys "
-                            "take the most exact attention (0: the paper's selection)", low=0)
-    overlap: bool = param(True, "select the next step's pages on a worker thread while the model computes "
-                                "(speculative, backend=eager; reference and triton stay synchronous): one more "
-                                "thread, the same tokens")
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_page_geometry(self.page_size, self.budget, self.sink, self.window)
-        least = self.sink + self.window + 2 * self.page_size  # + the partly filled last page + one selected
-        if self.budget < least:
-            raise ValueError(f"budget must be >= sink + window + 2 * page_size = {least} "
-                             f"(the partly filled last page and at least one selected page), got {self.budget}")
-
-    def validate(self, cfg):
-        # the selected pages: the budget less sink, window and the partly filled last page, and never
-        # more than the context has (a budget past it costs what full KV costs)
-        declared = (self.budget - self.sink - self.window) // self.page_size - 1
-        self.n_select = min(declared, math.ceil(self.max_len / self.page_size))
-        if self.skip_layers > cfg.n_layers:
-            raise ValueError(f"skip_layers must be <= the model's {cfg.n_layers} layers, got {self.skip_layers}")
-        if cfg.sliding_window is not None and cfg.sliding_window < self.max_len:
-            raise ValueError("freekv does not combine with a sliding-window model (Mistral) shorter than max_len")
-
-    def allocate_shared(self) -> None:
-        # one pair of staging buffers for all layers (they recall one after another)
-        self.staging = Staging((self.cfg.n_kv_heads * self.n_select, 2, self.page_size, self.cfg.head_dim),
-                               self.dtype, self.tiers)
-        # the worker that runs select_next beside the model (policies/overlap.py), kept across
-        # binds (generate calls); on backend=eager only: reference is the readable form, and
-        # Triton's CPU interpreter is not thread-safe (on CUDA the recall already runs on a side
-        # stream; the kernels untried here)
-        self.worker = policy_worker(self, self.overlap and self.speculative and self.backend == "eager")
-
-    def make_layer(self, index: int) -> LayerKV:
-        if index < self.skip_layers:
-            return FullLayer(self, index)
-        return (background(CountedLayer) if self.worker.background else CountedLayer)(self, index)
-
-    def aux_bytes(self) -> tuple[int, int]:
-        return self.staging.nbytes()
-
-    def stats(self) -> dict:
-        s = super().stats()  # (its device_tokens land every layer's selection: overlap.py)
-        s.update(report([layer for layer in self.layers if isinstance(layer, FreeKVLayer)], max(self.steps - 1, 0)))
-        return s

@@ -1,8 +1,9 @@
 """freekv's statistics, recorded beside its rule (freekv.py), which never calls them: `Counts`
-wraps three of the layer's functions and reads their arguments and results, and answers the
-accounting (what the host holds, what attention read); `report` turns the counts into the
-stats() figures.
+wraps four of the layer's functions and reads their arguments and results, and answers the
+accounting (what the host holds, what attention read); `Reports` (the policy's) turns the counts
+into the stats() figures.
 
+    prefill         the pages recalled count from the first decode step    -> kv.pages_recalled
     decode          every decode step of the layer                         -> decode_steps
     drifted_heads   C_m per KV head at a step that chooses (more
                     candidates than K): the heads judged, the drifted ones -> head_steps,
@@ -31,6 +32,11 @@ class Counts:
         self.spec_equal = self.spec_compared = 0
         self.comparing = False  # a step that chose: its first selection is compared with the slots
 
+    def prefill(self, q, k, v, positions):
+        out = super().prefill(q, k, v, positions)
+        self.kv.pages_recalled = 0  # stats count recalls while decoding
+        return out
+
     def decode(self, q, k, v, positions):
         self.decode_steps += 1
         return super().decode(q, k, v, positions)
@@ -52,7 +58,8 @@ class Counts:
 
     def count_speculation(self, exact: torch.Tensor) -> None:
         """Did the pages chosen with q_{t-1} (what the slots hold) equal `exact`, q_t's (Hkv, K)?"""
-        same = self.kv.holds(exact)
+        # per KV head: do its selected slots hold exactly `exact`'s pages (as sets)?
+        same = [set(want) - {-1} == set(held) - {-1} for want, held in zip(exact.tolist(), self.kv.held)]
         self.spec_equal += sum(same)
         self.spec_compared += len(same)
 
@@ -61,6 +68,18 @@ class Counts:
 
     def attended_indices(self) -> torch.Tensor:
         return self.kv.read_indices()
+
+
+class Reports:
+    """Mixin before Policy (FreeKV): the staging buffers' bytes, and the counts in stats()."""
+
+    def aux_bytes(self) -> tuple[int, int]:
+        return self.staging.nbytes()
+
+    def stats(self) -> dict:
+        s = super().stats()  # (its device_tokens land every layer's selection: overlap.py)
+        s.update(report([layer for layer in self.layers if isinstance(layer, Counts)], max(self.steps - 1, 0)))
+        return s
 
 
 def report(layers: list, decode_steps: int) -> dict:

@@ -24,6 +24,13 @@ Both forms call the same two functions with the same arguments, and the recall l
 layer's store is next read or written, so they give the same results by construction, provided
 select_next reads nothing the model writes in between (its docstring says what it reads;
 tests/policies/test_worker.py checks the order and the logits, bit for bit).
+
+Which form runs is decided here, when a policy is bound (`make_layers`, from Policy.bind), never
+by the policy's rule: a policy says whether it overlaps (`Policy.overlaps()`, from its
+parameters), a layer class names its two functions (`next_step = ("select_next",
+"recall_next")`), and each such layer of an overlapping policy takes the background form, with
+the policy's worker (`policy.worker`; `threads(policy)` counts its thread for the speed
+benchmark).
 """
 from __future__ import annotations
 
@@ -32,7 +39,7 @@ from types import MethodType
 
 import torch
 
-from .worker import policy_worker  # noqa: F401  (the worker a policy keeps, re-exported for it)
+from .worker import policy_worker  # (synckv/policy.py imports it from here too)
 
 
 @cache
@@ -67,3 +74,18 @@ def background(cls: type, select: str = "select_next", recall: str = "recall_nex
     body = {select: submit, recall: keep, "land": land, **{name: landing(name) for name in entries}}
     doc = f"{cls.__name__} in the background form (overlap.py)."
     return type(cls.__name__, (cls,), {"__module__": __name__, "__doc__": doc, **body})
+
+
+def make_layers(policy) -> list:
+    """A policy's layers as bind makes them (its make_layer's). Where the policy overlaps, it gets
+    its worker (one per policy object, kept across binds: policy_worker) and each layer whose class
+    names its `next_step` takes that class's background form: the same object, whose class gains
+    the methods above and no state."""
+    if not policy.overlaps():
+        return [policy.make_layer(i) for i in range(policy.cfg.n_layers)]
+    policy.worker = policy_worker(policy, True)  # reset: what it still runs reads the old layers
+    layers = [policy.make_layer(i) for i in range(policy.cfg.n_layers)]
+    for layer in layers:
+        if getattr(layer, "next_step", None):
+            layer.__class__ = background(type(layer), *layer.next_step)
+    return layers

@@ -1,5 +1,5 @@
-"""Paged KV storage of one layer for the page-based policies (freekv; icecache with its own
-candidate store): a device page pool (pool.py) plus a store of candidate pages.
+"""Paged KV storage of one layer for the page-based policies: a device page pool (pool.py) plus
+a store of candidate pages (freekv's HostPages, host_pages.py; icecache's SemanticPages).
 
 Page p holds tokens [p P, (p + 1) P). Three kinds of pages, each with its own home:
 
@@ -12,25 +12,22 @@ Page p holds tokens [p P, (p + 1) P). Three kinds of pages, each with its own ho
 
 Where to read what:
 
-    PagedKV.prefill, append        the prompt, then one token into the partly filled last page
+    PagedKV.append                 one token into the partly filled last page (the prompt:
+                                   paged_prefill.py, the state its tokens' appends would reach)
     PagedKV.roll                   the last page filled and the ring is full: the oldest window
                                    page is offloaded and becomes a candidate (leave_window, then
                                    store; icecache's paper order runs attention between the two)
     PagedKV.recall, _copy_in       incremental recall: only pages not already resident are
                                    copied, into the slots of pages that left the selection
-                                   (pool.refill), through Tiers.copy_in
+                                   (pool.assign_slots), through Tiers.copy_in
     PagedKV.attend                 attention over every occupied slot (recording what it read:
                                    paged_stats.py counts the tiers and the tokens read)
-    HostPages                      freekv's store: host (max_pages, Hkv, 2, P, D), HND, so one
-                                   page of one head is one contiguous block of 2 P D elements
-    page_digest                    lo, hi per channel: min/max (FreeKV's text, Quest's bound) or
-                                   ArkVale's box
 
 Decisions (docs/design.md, "freekv"): the pool holds S = n_sink + n_select + n_window slots in
 that order; sink and window slots hold the same page for every head, selected slots a page per
 head. Slot bookkeeping is host-side (one small sync per layer on CUDA). Under CUDA a background
-recall runs on a side stream, a correction on the main one; `attend` waits for the last. Another
-store fits if it answers offload, host, lens and page_tokens (icecache's semantic pages do).
+recall runs on a side stream, a correction on the main one; `attend` waits for the last. A store
+fits if it answers offload, host, lens and page_tokens.
 """
 from __future__ import annotations
 
@@ -39,93 +36,22 @@ import math
 import torch
 
 from ..kernels.page_gather import page_gather
-from ..kernels.page_scores import pack_codes
-from ..kernels.page_layout import hnd_to_nhd, nhd_to_hnd
-from .paged_stats import PagedLayer, PagedStats  # noqa: F401  (PagedLayer: the layers' base, its accounting)
-from .pool import PagePool, Staging, refill
+from ..kernels.page_layout import hnd_to_nhd
+from .paged_prefill import PagedPrefill
+from .paged_stats import PagedStats
+from .pool import PagePool, Staging, assign_slots
 from .tiers import backend_on
 
-DIGESTS = ("minmax", "arkvale", "quant2")  # quant2: Quest's box and 2-bit codes of each key in it
 
-
-def page_digest(k: torch.Tensor, kind: str = "minmax") -> tuple[torch.Tensor, torch.Tensor]:
-    """Box (lo, hi) of each page's keys per channel: k (n, Hkv, P, D) -> lo, hi (n, Hkv, D)."""
-    kmin, kmax = k.amin(dim=2), k.amax(dim=2)
-    if kind in ("minmax", "quant2"):  # Quest: the tightest box holding every key
-        return kmin, kmax
-    if kind == "arkvale":  # ArkVale's cuboid: centre +- the mean distance of the keys to it
-        centre = (kmin + kmax) / 2
-        radius = (k - centre[:, :, None]).abs().mean(dim=2)
-        return centre - radius, centre + radius
-    raise ValueError(f"digest must be one of {DIGESTS}, got {kind!r}")
-
-
-def check_page_geometry(page_size, budget, sink, window) -> None:
-    """The parameter checks every page-based policy shares: whole pages for budget, sink and
-    window, and a window of at least one page (the partly filled last page is always read)."""
-    if not isinstance(page_size, int) or page_size < 1:
-        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-    for name, value in (("budget", budget), ("sink", sink), ("window", window)):
-        if not isinstance(value, int) or value < 0 or value % page_size:
-            raise ValueError(f"{name} must be a non-negative multiple of page_size={page_size}, got {value!r}")
-    if window < page_size:
-        raise ValueError(f"window must be >= page_size={page_size} (the partly filled last page), got {window}")
-
-
-class HostPages:
-    """freekv's candidate store: consecutive pages on the host, HND, with a digest of each."""
-
-    def __init__(self, *, n_kv: int, head_dim: int, page_size: int, max_len: int, dtype: torch.dtype, tiers,
-                 digest: str):
-        if digest not in DIGESTS:
-            raise ValueError(f"digest must be one of {DIGESTS}, got {digest!r}")
-        H, P, D, dev = n_kv, page_size, head_dim, tiers.device
-        self.P, self.digest, self.tiers = P, digest, tiers
-        self.max_pages = max(1, math.ceil(max_len / P))
-        self.host = torch.empty(self.max_pages, H, 2, P, D, dtype=dtype, pin_memory=tiers.pin)  # HND host tier
-        self.lo = torch.zeros(1, H, self.max_pages, D, dtype=dtype, device=dev)  # digests, on the device
-        self.hi = torch.zeros(1, H, self.max_pages, D, dtype=dtype, device=dev)
-        self.n_valid = torch.zeros(1, dtype=torch.int64, device=dev)  # pages held, as page_scores' n_valid
-        # quant2: each key's 2-bit codes in its page's box, four channels a byte (page_scores' codes)
-        self.codes = torch.zeros(1, H, self.max_pages, P, (D + 3) // 4, dtype=torch.uint8, device=dev) \
-            if digest == "quant2" else None
-
-    def offload(self, k: torch.Tensor, v: torch.Tensor, first: int) -> None:
-        """Pages leaving the window, k, v (n, P, Hkv, D) NHD -> candidates first.. : host HND blocks
-        and digests. The NHD -> HND transpose happens here, once per page, so that recalls copy
-        whole blocks."""
-        n = k.shape[0]
-        blocks = nhd_to_hnd(k, v)  # (n, Hkv, 2, P, D)
-        self.tiers.write_host(self.host[first:first + n], blocks)
-        lo, hi = page_digest(blocks[:, :, 0], self.digest)  # (n, Hkv, D)
-        self.lo[0, :, first:first + n] = lo.transpose(0, 1)
-        self.hi[0, :, first:first + n] = hi.transpose(0, 1)
-        if self.codes is not None:
-            self.codes[0, :, first:first + n] = pack_codes(blocks[:, :, 0], lo, hi).transpose(0, 1)
-        self.n_valid.fill_(first + n)
-
-    def lens(self, held: list[list[int]]) -> list[list[int]]:
-        """Valid tokens of each held candidate (-1: none): a candidate page is always full."""
-        return [[self.P if c >= 0 else 0 for c in row] for row in held]
-
-    def page_tokens(self, h: int, c: int, n: int, first_token: int) -> list[int]:
-        """The absolute indices of candidate c's tokens (its first n), candidates starting at token
-        first_token."""
-        start = first_token + c * self.P
-        return list(range(start, start + n))
-
-    def aux_bytes(self) -> tuple[int, int]:
-        """(device, host) bytes besides the K/V pages: the digests (and codes)."""
-        return sum(t.numel() * t.element_size() for t in (self.lo, self.hi, self.codes) if t is not None), 0
-
-
-class PagedKV(PagedStats):
+class PagedKV(PagedPrefill, PagedStats):
     """Paged KV of one layer for one sequence (batch 1): a PagePool and a candidate store (see the
-    module docstring); what it holds and what attention read are counted in paged_stats.py."""
+    module docstring). The prompt comes in through paged_prefill.py (prefill: the state T appends
+    would reach); what it holds and what attention read are counted in paged_stats.py.
+    `attention`: the pool's (pool.PagePool), None for kernels/paged_attention under `backend`."""
 
     def __init__(self, *, candidates, n_kv: int, head_dim: int, page_size: int, max_len: int, n_sink: int,
-                 n_select: int, n_window: int, dtype: torch.dtype, tiers, backend: str = "eager",
-                 staging: Staging | None = None):
+                 n_select: int, n_window: int, dtype: torch.dtype, tiers, backend: str, staging: Staging,
+                 attention=None):
         if n_window < 1:
             raise ValueError(f"n_window must be >= 1 (the partly filled last page is always attended), got {n_window}")
         self.P, self.Hkv, self.D = page_size, n_kv, head_dim
@@ -135,7 +61,7 @@ class PagedKV(PagedStats):
         self.S = n_sink + n_select + n_window
         self.w0 = n_sink + n_select  # first window slot
         self.pool = PagePool(n_slots=self.S, page_size=page_size, n_kv=n_kv, head_dim=head_dim, dtype=dtype,
-                             device=tiers.device, backend=backend)
+                             device=tiers.device, backend=backend, attention=attention)
         # candidate held by each selected slot of each KV head (-1 = empty), and its valid tokens:
         # host-side bookkeeping of Hkv * n_select integers, in Python lists (a tensor op costs
         # more than the whole Python loop over them)
@@ -146,9 +72,9 @@ class PagedKV(PagedStats):
         self.pages_recalled = 0
         # the gather reads the host tier: eager beside a GPU, `backend` on a CPU-only machine
         self.gather_backend = backend_on("host", backend, tiers.device)
-        # one recall moves at most every selected slot of every head; policies share one Staging
-        self.staging = staging if staging is not None else Staging((max(1, n_kv * n_select), 2, page_size, head_dim),
-                                                                   dtype, tiers)
+        # one recall moves at most every selected slot of every head (n_kv * n_select, 2, P, D):
+        # the policy's, shared by its layers
+        self.staging = staging
         self.last_read = (0, 0, [list(row) for row in self.held], [list(row) for row in self.held_lens])
 
     # -- where pages live --------------------------------------------------------------------
@@ -156,33 +82,7 @@ class PagedKV(PagedStats):
         """Device slot of a sink or window page."""
         return page if page < self.n_sink else self.w0 + (page - self.n_sink) % self.n_window
 
-    @property
-    def resident(self) -> torch.Tensor:
-        """(Hkv, n_select) int64: the candidate in each selected slot, -1 = empty."""
-        return torch.tensor(self.held, dtype=torch.int64)
-
     # -- writing -----------------------------------------------------------------------------
-    def prefill(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store a prompt: k, v (1, Hkv, T, D). Ends in the state T appends would reach."""
-        T, P = k.shape[2], self.P
-        n_pages = math.ceil(T / P)
-        if n_pages > self.max_pages:
-            raise ValueError(f"{T} tokens exceed the capacity of {self.max_pages} pages of {P}")
-        sink = min(n_pages, self.n_sink)
-        rest = n_pages - sink
-        # after the last token of a full page, a full ring has already rolled (see append)
-        kept = min(rest, self.n_window - 1 if T % P == 0 else self.n_window)
-        n_cand = rest - kept
-        for p in list(range(sink)) + list(range(sink + n_cand, n_pages)):  # sink and window pages
-            self.pool.write(self.slot_of(p), k[0, :, p * P:(p + 1) * P], v[0, :, p * P:(p + 1) * P])
-        if n_cand:
-            a, b = sink * P, (sink + n_cand) * P
-            kc = k[0, :, a:b].reshape(self.Hkv, n_cand, P, self.D).permute(1, 2, 0, 3)  # (n, P, Hkv, D) NHD view
-            vc = v[0, :, a:b].reshape(self.Hkv, n_cand, P, self.D).permute(1, 2, 0, 3)
-            self.n_cand = n_cand
-            self.store(kc, vc, 0)
-        self.length = T
-
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """One new token: k, v (1, Hkv, 1, D) into the partly filled last page of the window."""
         page, off = divmod(self.length, self.P)
@@ -229,10 +129,6 @@ class PagedKV(PagedStats):
                     self.pool.page_lens[0, h, self.n_sink + j] = 0
 
     # -- recall ------------------------------------------------------------------------------
-    def holds(self, selection: torch.Tensor) -> list[bool]:
-        """Per KV head: do its selected slots hold exactly `selection` (Hkv, n_select) (as sets)?"""
-        return [set(want) - {-1} == set(held) - {-1} for want, held in zip(selection.tolist(), self.held)]
-
     def recall(self, selection: torch.Tensor, heads=None, background: bool = False) -> int:
         """Make the selected slots hold `selection` (Hkv, n_select) candidates (-1: none), for the
         KV heads where `heads` (Hkv,) bool (tensor or list) is True (all by default). Copies only
@@ -245,7 +141,7 @@ class PagedKV(PagedStats):
             if on is not None and not on[h]:
                 continue  # this head keeps what it holds
             was_used = [c >= 0 for c in self.held[h]]
-            moves += [(c * self.Hkv + h, self.n_sink + j, h) for c, j in refill(self.held[h], want)]
+            moves += [(c * self.Hkv + h, self.n_sink + j, h) for c, j in assign_slots(self.held[h], want)]
             emptied_or_filled |= was_used != [c >= 0 for c in self.held[h]]
         if moves:
             self._copy_in(moves, background)

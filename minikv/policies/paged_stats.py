@@ -1,11 +1,13 @@
-"""The accounting of the paged stores (paged.py), beside them: what a layer's PagedKV holds on
-each tier and what its last attention read. The stores' rule never calls it; stats(), the
-budget checks and attention recall (bench) do.
+"""The accounting of the paged stores (paged.py, host_pages.py), beside them: what a layer's
+PagedKV holds on each tier and what its last attention read. The stores' rule never calls it;
+stats(), the budget checks and attention recall (bench) do.
 
     PagedStats.device_tokens, host_tokens   tokens per KV head on each tier
+    PagedStats.resident                     the candidate each selected slot holds
     PagedStats.read_indices                 the tokens the last attend() read (its record,
                                             `last_read`), per KV head
     PagedStats.aux_bytes                    the page table, lengths and the store's digests
+    HostPagesStats                          freekv's store: the tokens of a page, its digests' bytes
     PagedLayer                              a policy layer whose KV lives in a PagedKV: its tier
                                             accounting is the store's
 """
@@ -27,6 +29,11 @@ class PagedStats:
     def host_tokens(self) -> int:
         return self.n_cand * self.P
 
+    @property
+    def resident(self) -> torch.Tensor:
+        """(Hkv, n_select) int64: the candidate in each selected slot, -1 = empty."""
+        return torch.tensor(self.held, dtype=torch.int64)
+
     def read_indices(self) -> torch.Tensor:
         """(Hkv, n) int64: the token indices the last attend() read per KV head (sink pages,
         selected candidates, window), -1 padding: what attention recall is measured against."""
@@ -45,7 +52,21 @@ class PagedStats:
         """(device, host) bytes besides the K/V slots: page table, lengths and the store's own
         (the staging buffers are the policy's: `Staging.nbytes`)."""
         device, host = self.candidates.aux_bytes()
-        return device + self.pool.aux_bytes(), host
+        return device + sum(t.numel() * t.element_size() for t in (self.pool.page_table, self.pool.page_lens)), host
+
+
+class HostPagesStats:
+    """Base of host_pages.HostPages: what read_indices and aux_bytes ask of the store."""
+
+    def page_tokens(self, h: int, c: int, n: int, first_token: int) -> list[int]:
+        """The absolute indices of candidate c's tokens (its first n), candidates starting at token
+        first_token."""
+        start = first_token + c * self.P
+        return list(range(start, start + n))
+
+    def aux_bytes(self) -> tuple[int, int]:
+        """(device, host) bytes besides the K/V pages: the digests (and codes)."""
+        return sum(t.numel() * t.element_size() for t in (self.lo, self.hi, self.codes) if t is not None), 0
 
 
 class PagedLayer(LayerKV):

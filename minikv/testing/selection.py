@@ -1,5 +1,6 @@
 """Inputs and comparisons of the selection operations: attention_topk, page_scores, dci_scores
-(draw_<op>, build_<op>, compare_<op>, as in attention.py).
+(draw_<op>, build_<op>, compare_<op>, as in attention.py), and the keys page_scores' 2-bit codes
+stand for (unpack_codes).
 
 A selection is compared as the reference orders it (descending score, ties to the lower index):
 exactly where the inputs make every score exact (integer data, duplicated pages or keys: real
@@ -86,6 +87,17 @@ def compare_attention_topk(got, want, p, got_args=None, want_args=None):
 
 
 # -- page_scores: Quest page bounds (or 2-bit codes), GQA group reduction, top k per KV head -------
+
+
+def unpack_codes(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """The keys page_scores' 2-bit codes stand for (pack_codes' inverse, an oracle of the tests):
+    codes (..., P, ceil(D / 4)), lo, hi (..., D) -> k^ (..., P, D) float32, channel d from bits
+    2 (d % 4) of byte d // 4, k^ = lo + c (hi - lo) / 3."""
+    D = lo.shape[-1]
+    d = torch.arange(D, device=codes.device)
+    c = (codes[..., d // 4] >> (2 * (d % 4)).to(torch.uint8)) & 3  # (..., P, D)
+    lo, hi = lo.float().unsqueeze(-2), hi.float().unsqueeze(-2)
+    return lo + c.float() * (hi - lo) / 3
 
 
 @st.composite

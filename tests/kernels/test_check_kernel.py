@@ -13,9 +13,9 @@ import torch
 import minikv.kernels as kernels
 from minikv.generate import generate
 from minikv.kernels import register_backend
-from minikv.kernels.page_scores import unpack_codes
 from minikv.policies import available, make
 from minikv.testing import check_kernel
+from minikv.testing.selection import unpack_codes
 
 # examples per planted bug: a bug that shows in one drawn input of ten (ties need integer data,
 # duplicated pages and a tie at the cut) escapes 100 draws once in ~40,000 runs

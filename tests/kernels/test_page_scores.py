@@ -9,12 +9,14 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from minikv.kernels import lookup
-from minikv.kernels.page_scores import pack_codes, page_scores, unpack_codes
+from minikv.kernels.page_scores import pack_codes, page_scores
 from minikv.testing import assert_close, check, strategies
+from minikv.testing.selection import unpack_codes
 
 boxes = strategies("page_scores").filter(lambda case: not case.params["codes"])
 integer_boxes = boxes.map(lambda case: case.replace(integer=True))
 codes = strategies("page_scores").filter(lambda case: case.params["codes"])
+
 
 
 def loop_reference(q, lo, hi, n_valid, k, scale, reduce):

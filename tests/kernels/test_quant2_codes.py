@@ -6,7 +6,8 @@ of byte d // 4, and coded_logits is q . k^ summed in float64 over the decoded ke
 import pytest
 import torch
 
-from minikv.kernels.page_scores.reference import coded_logits, pack_codes, unpack_codes
+from minikv.kernels.page_scores.reference import coded_logits, pack_codes
+from minikv.testing.selection import unpack_codes
 
 
 def nearest_levels(keys, lo, hi):

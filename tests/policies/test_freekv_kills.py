@@ -23,6 +23,7 @@ import torch
 
 from minikv.config import ModelConfig
 from minikv.policies import make
+from minikv.policies.worker import threads
 
 from ..fixtures import DEVICE
 from .test_freekv import run_against_oracle
@@ -212,8 +213,9 @@ def test_the_worker_runs_in_the_background_only_where_it_may_and_outlives_a_bind
     worker = policy.worker
     assert worker.background is True
     assert policy.bind(CFG, device=DEVICE, dtype=torch.float32, max_len=64).worker is worker
-    for other in (",backend=reference", ",overlap=false", ",speculative=false"):
-        assert make(SPEC + other).bind(CFG, device=DEVICE, dtype=torch.float32, max_len=64).worker.background is False
+    assert threads(policy) == 1
+    for other in (",backend=reference", ",overlap=false", ",speculative=false"):  # no thread beside the model
+        assert threads(make(SPEC + other).bind(CFG, device=DEVICE, dtype=torch.float32, max_len=64)) == 0
 
 
 def test_the_host_tier_holds_max_len_and_the_selection_the_context():

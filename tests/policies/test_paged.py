@@ -7,8 +7,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from minikv.policies.host_pages import HostPages, page_digest
+from minikv.policies.paged import PagedKV
+from minikv.policies.pool import Staging
 from minikv.policies.tiers import Tiers
-from minikv.policies.paged import HostPages, PagedKV, page_digest
 
 from ..fixtures import DEVICE
 
@@ -18,8 +20,10 @@ H, D = 2, 8
 def make_store(P=4, n_sink=1, n_select=2, n_window=2, max_len=200, digest="minmax"):
     tiers = Tiers(DEVICE)
     pages = HostPages(n_kv=H, head_dim=D, page_size=P, max_len=max_len, dtype=torch.float32, tiers=tiers, digest=digest)
+    staging = Staging((max(1, H * n_select), 2, P, D), torch.float32, tiers)
     return PagedKV(candidates=pages, n_kv=H, head_dim=D, page_size=P, max_len=max_len, n_sink=n_sink,
-                   n_select=n_select, n_window=n_window, dtype=torch.float32, tiers=tiers)
+                   n_select=n_select, n_window=n_window, dtype=torch.float32, tiers=tiers, backend="eager",
+                   staging=staging)
 
 
 def tokens(T, seed):
@@ -137,7 +141,7 @@ def test_attend_reads_the_pool_as_the_page_table_says(P, S, G, seed):
     paged_attention reference, which gathers what the table lists: partly filled and unused slots
     masked per KV head, whatever the hidden slots hold."""
     from minikv.kernels.paged_attention import paged_attention
-    from minikv.policies.pool import pool_attention
+    from minikv.policies.pool_fast import pool_attention
     g = torch.Generator().manual_seed(seed)
     k, v = torch.randn(S, P, H, D, generator=g), torch.randn(S, P, H, D, generator=g)
     lens = torch.randint(0, P + 1, (1, H, S), generator=g, dtype=torch.int32)
@@ -146,11 +150,11 @@ def test_attend_reads_the_pool_as_the_page_table_says(P, S, G, seed):
     table = torch.arange(S, dtype=torch.int32).expand(1, H, S).contiguous()
     k, v, lens, q, table = (x.to(DEVICE) for x in (k, v, lens, q, table))  # drawn on the CPU, run on the device
     want = paged_attention(q, k, v, table, lens)
-    got = pool_attention(q, k, v, lens)
+    got = pool_attention(q, k, v, table, lens)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     k2 = k.clone()
     k2[(torch.arange(P, device=DEVICE) >= lens[0, :, :, None]).permute(1, 2, 0)] = 1e4  # hidden keys change nothing
-    torch.testing.assert_close(pool_attention(q, k2, v, lens), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(pool_attention(q, k2, v, table, lens), want, rtol=1e-5, atol=1e-6)
 
 
 def test_the_store_holds_exactly_max_len_tokens():
@@ -165,8 +169,7 @@ def test_the_store_holds_exactly_max_len_tokens():
 
 
 def test_the_pools_index_tensors_are_counted_in_bytes():
-    """aux_bytes: the page table and the page lengths, int32 each, (1, Hkv, S)."""
-    from minikv.policies.pool import PagePool
-
-    pool = PagePool(n_slots=3, page_size=4, n_kv=2, head_dim=8, dtype=torch.float32, device=DEVICE, backend="eager")
-    assert pool.aux_bytes() == 2 * (2 * 3) * 4
+    """aux_bytes: the page table and the page lengths, int32 each, (1, Hkv, S), beside the digests
+    (lo, hi: (1, Hkv, max_pages, D) float32 each)."""
+    store = make_store(P=4, n_sink=1, n_select=2, n_window=2, max_len=40)  # S = 5 slots, 10 pages
+    assert store.aux_bytes() == (2 * (H * 5) * 4 + 2 * (H * 10 * D) * 4, 0)

@@ -166,8 +166,8 @@ class RecordingWorker(Worker):
         return job
 
 
-STORE_METHODS = ("append", "roll", "recall", "attend", "holds", "store", "prefill")
-READS = ("holds",)  # of STORE_METHODS, those that write nothing
+STORE_METHODS = ("append", "roll", "recall", "attend", "store", "prefill")  # each writes the store
+READS = ("count_speculation",)  # the layer's, which reads the store's slots (freekv_counts.py)
 
 
 def test_the_join_comes_before_every_read_or_write_of_the_layers_store():
@@ -188,11 +188,18 @@ def test_the_join_comes_before_every_read_or_write_of_the_layers_store():
                 log.append((_n, _i) if threading.get_ident() == main else (f"worker {_n}", _i))
                 return _m(*a, **k)
             setattr(layer.kv, name, recorded)
+        for name in READS:
+            method = getattr(layer, name)
+
+            def recorded(*a, _m=method, _n=name, _i=layer.index, **k):
+                log.append((_n, _i) if threading.get_ident() == main else (f"worker {_n}", _i))
+                return _m(*a, **k)
+            setattr(layer, name, recorded)
     out = model(ids, policy=policy, logits_at=torch.tensor([T - 1]))
     for t in range(T, T + 24):
         out = model(out.argmax(-1)[:, None], positions=torch.tensor([[t]]), policy=policy, logits_at=torch.tensor([0]))
     assert sum(e == "submit" for e, _ in log) > 24  # most steps selected on the worker, in both layers
-    assert any(e == "worker holds" for e, _ in log)  # tau=-1: no correction, q_t's pages compared there
+    assert any(e == "worker count_speculation" for e, _ in log)  # tau=-1: no correction, q_t's pages compared there
     pending = set()
     for event, layer in log:
         if event == "submit":

@@ -36,7 +36,7 @@ import torch
 from ...generate import decode_n_tokens, decode_one_token
 from ...kernels.page_scores import GROUP_REDUCES, pack_codes, page_scores
 from ...policies import make
-from ...policies.paged import DIGESTS, HostPages, page_digest
+from ...policies.host_pages import DIGESTS, HostPages, page_digest
 from ..common import add_common_arguments, load_model, print_table, write_json
 from ..compare_run import Bound, answer, bind, prefill_all
 from ..passkey import with_budget

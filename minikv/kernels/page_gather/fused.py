@@ -1,6 +1,10 @@
 """Gathered page recall, Triton kernel. Grid (n, cdiv(E, BLOCK)): program (i, j) copies the j-th
 BLOCK elements of block rows[i] of src (E contiguous elements per block) to out[i]: every read
-and write contiguous, the blocks of one recall in parallel."""
+and write contiguous, the blocks of one recall in parallel.
+
+Memory traffic: one read of each selected block, one contiguous write; index_select does exactly
+this on the CPU.
+"""
 from __future__ import annotations
 
 import math

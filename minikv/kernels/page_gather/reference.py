@@ -10,9 +10,6 @@ one copy and is scattered into its slots there (kernels/page_layout):
     rows  (n,) int      the blocks to recall, in staging order (distinct or not)
     out   (>= n, *block) the staging buffer; out[:n] is written
     -> out[:n]
-
-Memory traffic: one read of each selected block, one contiguous write; index_select does exactly
-this on the CPU.
 """
 from __future__ import annotations
 

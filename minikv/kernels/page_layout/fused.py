@@ -1,7 +1,11 @@
 """HND -> NHD page scatter, Triton kernel. Grid (n,): program i reads block i (2, P, D), which is
 contiguous, and writes its P key rows and P value rows to slot slots[i], KV head heads[i] of the
 pool, rows Hkv * D elements apart. One program per block keeps every read contiguous; on a GPU the
-blocks of one recall are independent, so they run in parallel."""
+blocks of one recall are independent, so they run in parallel.
+
+Memory traffic: each block is read once and written once as P strided rows of D elements; the
+reference's advanced-index assignment does the same with a temporary index tensor per call.
+"""
 from __future__ import annotations
 
 import torch

@@ -10,9 +10,6 @@ this transform writes block i into slot slots[i], KV head heads[i]:
     k_pages     (S, P, Hkv, D)    the pool, written in place; v_pages likewise
     slots, heads (n,) int         destination of each block; (slot, head) pairs distinct
     -> None
-
-Memory traffic: each block is read once and written once as P strided rows of D elements; the
-reference's advanced-index assignment does the same with a temporary index tensor per call.
 """
 from __future__ import annotations
 

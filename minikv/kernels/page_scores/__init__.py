@@ -5,7 +5,7 @@ import torch
 
 from .. import builtin, lookup
 from . import reference
-from .reference import GROUP_REDUCES, pack_codes, unpack_codes
+from .reference import GROUP_REDUCES, pack_codes
 
 builtin("page_scores", reference.page_scores)
 
@@ -23,4 +23,4 @@ def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, n_valid: to
     return lookup("page_scores", backend)(q, lo, hi, n_valid, k, scale, group_reduce, codes)
 
 
-__all__ = ["page_scores", "pack_codes", "unpack_codes", "GROUP_REDUCES"]
+__all__ = ["page_scores", "pack_codes", "GROUP_REDUCES"]

@@ -11,6 +11,11 @@ group and the top-k never leave registers:
      channel at a time, then folded into a running logsumexp over t (no (P, N) tile);
   2. the group reduction (softmax-mean, mean or max) to one score per page;
   3. k rounds of arg-max with ties to the lowest page index, each taking its page out of the tile.
+
+Memory traffic: reference.py reads the digests in two matmuls (q+ against hi, q- against lo; see
+the code) and materialises the per-head scores and softmax; the kernel reads each digest row
+once per KV head for the whole group and keeps scores in registers through the reduction and
+the top-k.
 """
 from __future__ import annotations
 

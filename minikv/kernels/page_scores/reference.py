@@ -35,11 +35,6 @@ stable sort): kernel and reference must select the same pages, ties included.
              (channel d in bits 2 (d % 4) .. of byte d // 4; pack_codes), lo/hi the min/max box
     -> scores (B, Hkv, N) float32 (-inf at pages >= n_valid),
        index  (B, Hkv, k) int64, descending score; -1 where a row has fewer than k candidates
-
-Memory traffic: the reference reads the digests in two matmuls (q+ against hi, q- against lo; see
-the code) and materialises the per-head scores and softmax; the kernel reads each digest row
-once per KV head for the whole group and keeps scores in registers through the reduction and
-the top-k.
 """
 from __future__ import annotations
 
@@ -60,19 +55,10 @@ def pack_codes(k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Ten
     return (c[..., 0] | c[..., 1] << 2 | c[..., 2] << 4 | c[..., 3] << 6).to(torch.uint8)
 
 
-def unpack_codes(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """The keys the codes stand for: codes (..., P, ceil(D / 4)), lo, hi (..., D) -> k^ (..., P, D) float32."""
-    D = lo.shape[-1]
-    d = torch.arange(D, device=codes.device)
-    c = (codes[..., d // 4] >> (2 * (d % 4)).to(torch.uint8)) & LEVELS  # (..., P, D)
-    lo, hi = lo.float().unsqueeze(-2), hi.float().unsqueeze(-2)
-    return lo + c.float() * (hi - lo) / LEVELS
-
-
 def coded_logits(qg: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """q . k^ for every coded key: qg (B Hkv, G, D), lo, hi (B, Hkv, N, D), codes (B, Hkv, N, P,
-    ceil(D / 4)) -> (B Hkv, G, N, P). The sum unpack_codes + a product would give, regrouped by
-    bit plane so that k^ is never built: channel d = 4 i + j is plane j of byte i, and
+    ceil(D / 4)) -> (B Hkv, G, N, P). The sum the decoded keys k^ and a product would give, regrouped
+    by bit plane so that k^ is never built: channel d = 4 i + j is plane j of byte i, and
 
         q . k^_t = q . lo + sum_j sum_i w_{4i+j} c^(j)_{t,i},   w = q (hi - lo) / 3 per page,
 

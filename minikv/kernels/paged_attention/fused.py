@@ -5,6 +5,10 @@ attending with all G query heads of the group at once (each page of K and V is r
 group, not once per query head). An entry's slot and length are loaded as scalars; tokens past the
 length (the partly filled last page) and entries of length 0 are masked, and the masked lanes'
 loads are skipped (other=0), so garbage in the pool is never read into the sums.
+
+Memory traffic: reference.py's gather copies every listed page (N * P * D per KV head, twice) before any
+arithmetic, and the masked softmax materialises scores over N * P. The kernel reads each listed
+page straight from the pool once for the whole GQA group, and skips the masked tail of a page.
 """
 from __future__ import annotations
 

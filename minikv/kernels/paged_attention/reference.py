@@ -18,10 +18,6 @@ This reference is that definition, vectorised: one index_select of the (B, Hkv, 
 token rows of the pool for keys and one for values, float32 scores, a mask from page_lens. (One
 flat gather rather than advanced indexing k_pages[slots, :, heads]: at decode sizes the cost is
 the number of operations, not the bytes.)
-
-Memory traffic: the gather copies every listed page (N * P * D per KV head, twice) before any
-arithmetic, and the masked softmax materialises scores over N * P. The kernel reads each listed
-page straight from the pool once for the whole GQA group, and skips the masked tail of a page.
 """
 from __future__ import annotations
 

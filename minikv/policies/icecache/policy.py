@@ -47,8 +47,11 @@ import torch
 from ...kernels import check_backend
 from ..contract import LayerKV, Policy, dense_attention, param
 from ..full import FullLayer
-from ..paged import PagedKV, PagedLayer, check_page_geometry
+from ..paged import PagedKV
+from ..paged_checks import check_page_geometry
+from ..paged_stats import PagedLayer
 from ..pool import Staging
+from ..pool_fast import pool_attention
 from ..registry import register
 from ..tiers import backend_on
 from . import pdci
@@ -61,7 +64,7 @@ class SemanticPages:
     """icecache's candidate store: the pages are a DCI forest's leaves, not consecutive runs.
 
     Tokens that leave the window go into the forest's pages: host (max_pages, Hkv, 2, P, D), page c
-    of KV head m at host[c, m] (HND, one contiguous block per page and head, as paged.HostPages, so
+    of KV head m at host[c, m] (HND, one contiguous block per page and head, as host_pages.HostPages, so
     a recall copies whole blocks). fill (Hkv, max_pages): tokens this layer has written into each
     page; the slots of a selected page read exactly that many (partly filled pages are masked)."""
 
@@ -136,7 +139,8 @@ class IceCacheLayer(PagedLayer):
         self.kv = PagedKV(candidates=pages, n_kv=cfg.n_kv_heads, head_dim=cfg.head_dim, page_size=P,
                           max_len=policy.max_len, n_sink=policy.sink // P, n_select=self.K,
                           n_window=policy.window // P, dtype=policy.dtype, tiers=policy.tiers,
-                          backend=policy.backend, staging=policy.staging)
+                          backend=policy.backend, staging=policy.staging,
+                          attention=pool_attention if policy.backend == "eager" else None)
         self.G = cfg.n_heads // cfg.n_kv_heads
         self.selection = None  # (Hkv, K) page ids read by the last decode step, -1 pads
         self._read = None  # what the last decode step's attention read, for attended_indices

@@ -21,7 +21,7 @@ from ...kernels.attention_topk import attention_topk
 from ...kernels.decode_attention import decode_attention
 from ...kernels.gathered_attention import gathered_attention
 from ..contract import LayerKV, Policy, dense_attention
-from ..pool import refill
+from ..pool import assign_slots
 from .bank import ContextBank
 
 
@@ -222,7 +222,7 @@ class SyncKVLayer(LayerKV):
         for c, row in enumerate(top):
             if len(self.clusters[c]) == 1 and not self.union:
                 continue  # a cluster of its R-head alone has nobody to serve
-            moves += [(c, j, t) for t, j in refill(self.dynamic[c], row)]
+            moves += [(c, j, t) for t, j in assign_slots(self.dynamic[c], row)]
         if self.offload and moves:
             self.fetch(moves)
 
