@@ -175,7 +175,9 @@ class Policy(TierStats, ABC):
 
         windows = local_windows(cfg, max_len)
         self.global_layers = [i for i in range(cfg.n_layers) if i not in windows]
-        if windows and not self.global_layers and self.name != "full":  # a Mistral's window, shorter than max_len
+        if windows and not self.global_layers and self.name != "full":
+            self.max_len = max_len
+            self.validate(cfg)  # the policy's own word on a sliding-window model, where it has one
             raise ValueError(f"every layer of this model is a sliding window of {min(windows.values())} tokens, "
                              f"shorter than the sequence ({max_len}): the runtime keeps each window, and "
                              f"{self.name!r} has no global layer to govern (use full)")
