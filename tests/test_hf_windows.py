@@ -6,7 +6,8 @@ The oracles: minikv's own runtime on the same weights (reference/models/gemma3_t
 8 tokens on layers 0 and 2; reference/models/mistral_swa), and transformers' own generation,
 whose DynamicCache keeps a sliding layer's window itself. The prompts are long enough that the
 local windows roll (70 tokens over windows of 8) and every policy's small spec (the one
-check_policy holds it to) evicts on the global layer.
+check_policy holds it to) evicts on the global layer. The real Gemma-3-270M (slow; the gemma
+extra and transformers 5.24, which reads its GGUF) against minikv's runtime at the end.
 """
 import json
 import shutil
@@ -17,6 +18,7 @@ import torch
 import minikv
 from minikv.policies import available, make
 from minikv.policies.window import governed_config
+from tests.models.test_gemma3 import needs_gemma
 from tests.test_hf import NoTokenizer, compare, hf_own, run_hf, run_minikv
 
 pytestmark = [pytest.mark.hf, pytest.mark.filterwarnings("error::FutureWarning")]
@@ -172,3 +174,43 @@ def test_mistral_window_covering_the_sequence_every_policy(name, reference_dir, 
     a, b = got[1].stats(), want[1].stats()
     assert a["device_tokens_per_layer"] == b["device_tokens_per_layer"] and a["window_layers"] == 0
     assert got[1].cfg.n_layers == 2 and got[1].cfg.sliding_window is None
+
+
+# -- the real Gemma-3-270M, read by transformers from the GGUF minikv reads --------------------------
+
+
+def _reads_gemma3_gguf() -> bool:
+    import transformers
+
+    return tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 24)  # 5.23 has no Gemma 3 reader
+
+
+@pytest.fixture(scope="module")
+def gemma3_270m():
+    from transformers import AutoModelForCausalLM
+
+    from minikv.loading import cache_dir
+    from minikv.packaged import GEMMA3_270M, assemble
+
+    gguf = assemble(GEMMA3_270M, cache_dir())
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    return minikv.load("gemma3-270m", dtype=torch.float32, progress=False, fast=False), hf
+
+
+@pytest.mark.slow  # 12.5 minutes of two busy CPU cores for both, each loading the two models
+@needs_gemma
+@pytest.mark.skipif(not _reads_gemma3_gguf(), reason="transformers reads Gemma 3 GGUFs from 5.24 (constraints-hf-newest.txt)")
+@pytest.mark.parametrize("spec", ["freekv:budget=256", "streaming:budget=256"])
+def test_gemma3_270m_matches_minikv_runtime(spec, gemma3_270m):
+    # 700 tokens of natural text: the 15 local layers' windows of 512 roll, the policy holds 256
+    # of the 3 global layers' tokens (streaming renumbering their positions only)
+    from minikv.bench.common import text_ids
+
+    (model, tok), hf = gemma3_270m
+    ids = text_ids(tok, 700)
+    want = run_minikv(model, tok, ids, spec, 8)
+    got = run_hf(hf, ids, spec, 8)
+    assert compare(spec, got, want, 2e-3, min_equal=8) == 8
+    a, b = got[1].stats(), want[1].stats()
+    assert a["device_tokens_per_layer"] == b["device_tokens_per_layer"]
+    assert a["window_layers"] == 15 and a["window_tokens"] == 15 * 512
