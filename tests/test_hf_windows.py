@@ -197,7 +197,7 @@ def gemma3_270m():
     return minikv.load("gemma3-270m", dtype=torch.float32, progress=False, fast=False), hf
 
 
-@pytest.mark.slow  # 12.5 minutes of two busy CPU cores for both, each loading the two models
+@pytest.mark.slow  # 10 minutes of two busy CPU cores for both (2 of them loading the models)
 @needs_gemma
 @pytest.mark.skipif(not _reads_gemma3_gguf(), reason="transformers reads Gemma 3 GGUFs from 5.24 (constraints-hf-newest.txt)")
 @pytest.mark.parametrize("spec", ["freekv:budget=256", "streaming:budget=256"])
