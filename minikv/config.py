@@ -195,14 +195,27 @@ def _rope_params(raw: dict) -> tuple[float, dict | None]:
     return float(theta), scaling
 
 
-def _llama_like(raw: dict, model_type: str) -> ModelConfig:
+# What a family's config.json may leave out, as its transformers config class defaults it (a key
+# the file has wins, even null); head_dim, where absent, is hidden_size / num_attention_heads
+FAMILY_DEFAULTS = {
+    "llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+              "hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
+    "gpt_neox": {"max_position_embeddings": 2048, "tie_word_embeddings": False, "hidden_act": "gelu",
+                 "attention_bias": True},  # its LayerNorm's eps and biases: _gpt_neox
+    "gemma3": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+               "hidden_act": "gelu_pytorch_tanh", "attention_bias": False, "mlp_bias": False, "head_dim": 256},
+}
+
+
+def _build(raw: dict, model_type: str, **own) -> ModelConfig:
+    """The ModelConfig of a config.json: the fields every family reads alike, with the family's
+    defaults (FAMILY_DEFAULTS), then `own`, what the family reads its own way."""
+    defaults = FAMILY_DEFAULTS[{"gpt_neox": "gpt_neox", "gemma3_text": "gemma3"}.get(model_type, "llama")]
+    get = lambda key: raw.get(key, defaults.get(key))  # noqa: E731
     n_heads = raw["num_attention_heads"]
-    head_dim = raw.get("head_dim") or raw["hidden_size"] // n_heads
+    head_dim = raw.get("head_dim") or defaults.get("head_dim") or raw["hidden_size"] // n_heads
     theta, scaling = _rope_params(raw)
-    window = raw.get("sliding_window")
-    if model_type == "qwen2" and not raw.get("use_sliding_window", False):
-        window = None  # Qwen2 configs carry a sliding_window they do not use
-    return ModelConfig(
+    fields = dict(
         model_type=model_type,
         vocab_size=raw["vocab_size"],
         hidden_size=raw["hidden_size"],
@@ -211,49 +224,42 @@ def _llama_like(raw: dict, model_type: str) -> ModelConfig:
         n_heads=n_heads,
         n_kv_heads=raw.get("num_key_value_heads") or n_heads,
         head_dim=head_dim,
-        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        max_position_embeddings=get("max_position_embeddings"),
         rope_theta=theta,
         rope_scaling=scaling,
         rotary_dim=head_dim,
-        norm_eps=raw.get("rms_norm_eps", 1e-6),
-        tie_word_embeddings=raw.get("tie_word_embeddings", False),
-        attention_bias=model_type == "qwen2" or raw.get("attention_bias", False),
-        attention_out_bias=model_type != "qwen2" and raw.get("attention_bias", False),
-        mlp_bias=raw.get("mlp_bias", False),
-        sliding_window=window,
-        hidden_act=raw.get("hidden_act", "silu"),
+        norm_eps=get("rms_norm_eps"),
+        tie_word_embeddings=get("tie_word_embeddings"),
+        attention_bias=get("attention_bias"),
+        attention_out_bias=get("attention_bias"),
+        mlp_bias=get("mlp_bias"),
+        hidden_act=get("hidden_act"),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_id=_eos_ids(raw),
     )
+    return ModelConfig(**{**fields, **own})
+
+
+def _llama_like(raw: dict, model_type: str) -> ModelConfig:
+    """Llama, Mistral (a sliding window on every layer), Qwen2 (bias on q, k, v only)."""
+    window = raw.get("sliding_window")
+    if model_type == "qwen2" and not raw.get("use_sliding_window", False):
+        window = None  # Qwen2 configs carry a sliding_window they do not use
+    qwen2 = {"attention_bias": True, "attention_out_bias": False} if model_type == "qwen2" else {}
+    return _build(raw, model_type, sliding_window=window, **qwen2)
 
 
 def _gpt_neox(raw: dict) -> ModelConfig:
+    """Pythia: as many KV heads as query heads, partial rotary (rotary_pct) with its own base,
+    LayerNorm, biases everywhere, the parallel residual."""
     n_heads = raw["num_attention_heads"]
     head_dim = raw["hidden_size"] // n_heads
-    theta, scaling = _rope_params(raw)
+    theta, _ = _rope_params(raw)
     pct = raw.get("rotary_pct", (raw.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
-    return ModelConfig(
-        model_type="gpt_neox",
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"],
-        n_layers=raw["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=n_heads,
-        head_dim=head_dim,
-        max_position_embeddings=raw.get("max_position_embeddings", 2048),
-        rope_theta=float(raw.get("rotary_emb_base", theta)),
-        rope_scaling=scaling,
-        rotary_dim=int(head_dim * pct),
-        norm_eps=raw.get("layer_norm_eps", 1e-5),
-        tie_word_embeddings=raw.get("tie_word_embeddings", False),
-        attention_bias=raw.get("attention_bias", True),
-        attention_out_bias=raw.get("attention_bias", True),
-        mlp_bias=True,
-        parallel_residual=raw.get("use_parallel_residual", True),
-        hidden_act=raw.get("hidden_act", "gelu"),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_id=_eos_ids(raw),
+    return _build(
+        raw, "gpt_neox", n_kv_heads=n_heads, head_dim=head_dim, rotary_dim=int(head_dim * pct),
+        rope_theta=float(raw.get("rotary_emb_base", theta)), norm_eps=raw.get("layer_norm_eps", 1e-5),
+        mlp_bias=True, parallel_residual=raw.get("use_parallel_residual", True),
     )
 
 
@@ -264,7 +270,7 @@ def _gemma3(raw: dict) -> ModelConfig:
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if raw.get(key) is not None:  # Gemma 2's; Gemma 3 has none
             raise ValueError(f"{key}={raw[key]!r}: minikv's gemma3 family has no logit soft-capping")
-    n_layers, n_heads = raw["num_hidden_layers"], raw["num_attention_heads"]
+    n_layers = raw["num_hidden_layers"]
     types = raw.get("layer_types")
     if types is None:
         every = raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", 6))
@@ -278,32 +284,12 @@ def _gemma3(raw: dict) -> ModelConfig:
     else:
         theta, scaling = _rope_params({"rope_theta": 1e6, **raw})
         local_theta = float(raw.get("rope_local_base_freq", 1e4))
-    head_dim = raw.get("head_dim") or 256
-    scalar = raw.get("query_pre_attn_scalar", head_dim)
+    scalar = raw.get("query_pre_attn_scalar", raw.get("head_dim") or FAMILY_DEFAULTS["gemma3"]["head_dim"])
     if not (_is_number(scalar) and scalar > 0):
         raise ValueError(f"query_pre_attn_scalar must be a positive number, got {scalar!r}")
-    return ModelConfig(
-        model_type="gemma3_text",
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"],
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=raw.get("num_key_value_heads") or n_heads,
-        head_dim=head_dim,
-        max_position_embeddings=raw.get("max_position_embeddings", 32768),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        rotary_dim=head_dim,
-        norm_eps=raw.get("rms_norm_eps", 1e-6),
-        tie_word_embeddings=raw.get("tie_word_embeddings", True),
-        attention_bias=raw.get("attention_bias", False),
-        attention_out_bias=raw.get("attention_bias", False),
-        sliding_window=raw.get("sliding_window", 4096),
+    return _build(
+        raw, "gemma3_text", rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta,
+        sliding_window=raw.get("sliding_window", 4096), layer_types=tuple(types),
         hidden_act=raw.get("hidden_activation", raw.get("hidden_act", "gelu_pytorch_tanh")),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_id=_eos_ids(raw),
-        layer_types=tuple(types),
-        rope_local_theta=local_theta,
         query_pre_attn_scalar=float(scalar),
     )

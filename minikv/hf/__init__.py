@@ -19,16 +19,20 @@ cache and the query to its attention function; a policy needs both at once. Wher
                       policy at the first forward, hand the next-token logits to `policy.end_step`
                       after each
     wiring.py         attention: the "minikv" attention function (AttentionInterface), the
-                      policy's prefill or decode; plain SDPA without a PolicyCache. The hooks on
-                      the forward that call begin and end; _rope_positions, a hook on the rotary
-                      embedding: `policy.rope_positions` (streaming). attach, detach, cache
+                      policy's prefill or decode; plain SDPA without a PolicyCache; mask: no mask
+                      under one (the policy masks). The hooks on the forward that call begin and
+                      end; _rope_positions, a hook on the rotary embedding: `policy.rope_positions`
+                      (streaming). attach, detach, cache
     run.py            policy(model, spec), PolicyRun.generate: a rewind (softfreeze's rewalk)
                       restarts `generate` from the kept tokens, same cache; in a loop of your own,
                       read `cache.last_action`
 
-Decisions (docs/design.md, "The flow of one request"): attention checks by identity that its keys
-are those `update` just returned; the policy masks itself, so a padding mask is refused; the hooks
-find the PolicyCache by its type, not by the argument's name, which transformers changed in 5.24.
+Decisions (docs/design.md, "The flow of one request", "Local and global layers"): attention checks
+by identity that its keys are those `update` just returned; the policy masks itself, so a padding
+mask is refused; the hooks find the PolicyCache by its type, not by the argument's name, which
+transformers changed in 5.24. On a model whose layer_types mix sliding_attention and
+full_attention (Gemma 3), the sliding layers keep their window in the runtime's rings and the
+policy governs the full-attention layers, as in minikv's own runtime.
 """
 try:
     import transformers

@@ -8,16 +8,18 @@ rewalk) rolls the cache back.
 """
 from __future__ import annotations
 
+import inspect
 import threading
 
 import torch
 from transformers import Cache
 from transformers.cache_utils import CacheLayerMixin
 
-from ..config import ModelConfig, _rope_params
+from ..config import LAYER_TYPES, ModelConfig, _rope_params
 from ..models.rope import rope_inv_freq
 from ..policies import Policy, make
 
+PADDING = "minikv.hf: the attention mask masks some tokens (padding?); minikv policies take unpadded sequences"
 _active = threading.local()  # .cache: the PolicyCache of the forward now running, if any (wiring.py sets it)
 
 
@@ -48,6 +50,9 @@ def model_config(config) -> tuple[ModelConfig, bool]:
     n_heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // n_heads
     params = raw.get("rope_parameters") or {}
+    if "full_attention" in params:  # one RoPE per layer type (Gemma 3): a policy rotates the global layers
+        params = params["full_attention"] or {}
+        raw = {**raw, "rope_parameters": params}
     partial = raw.get("partial_rotary_factor", params.get("partial_rotary_factor", raw.get("rotary_pct", 1.0)))
     rotary_dim = int(head_dim * partial)
     theta, scaling = _rope_params(raw)
@@ -56,17 +61,20 @@ def model_config(config) -> tuple[ModelConfig, bool]:
         rope_known = True
     except (ValueError, KeyError):  # a RoPE type minikv does not implement (yarn, dynamic, ...)
         scaling, rope_known = None, False
-    types = set(getattr(c, "layer_types", None) or [])
-    if types - {"full_attention", "sliding_attention"} or len(types) > 1:
-        raise ValueError(f"minikv.hf: layers of types {sorted(types)}; minikv policies hold models whose "
-                         "layers all use the same attention (all full, or all one sliding window)")
-    window = getattr(c, "sliding_window", None) if (not types or types == {"sliding_attention"}) else None
+    types = tuple(getattr(c, "layer_types", None) or ())
+    if set(types) - set(LAYER_TYPES):
+        raise ValueError(f"minikv.hf: layers of types {sorted(set(types))}; minikv policies hold full_attention "
+                         "layers and keep sliding_attention ones to their window, no other kind")
+    # sliding_attention layers (all of Mistral's, Gemma 3's local ones) keep their window: in the
+    # runtime's rings when it is shorter than the sequence (policies/window.py), the policy
+    # governs the rest
+    window = getattr(c, "sliding_window", None) if not types or "sliding_attention" in types else None
     cfg = ModelConfig(
         model_type=c.model_type, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
         intermediate_size=getattr(c, "intermediate_size", 4 * c.hidden_size), n_layers=c.num_hidden_layers,
         n_heads=n_heads, n_kv_heads=kv_heads(c), head_dim=head_dim,
         max_position_embeddings=c.max_position_embeddings, rope_theta=theta, rope_scaling=scaling,
-        rotary_dim=rotary_dim, sliding_window=window,
+        rotary_dim=rotary_dim, sliding_window=window, layer_types=types if len(set(types)) > 1 else None,
     )
     return cfg, rope_known
 
@@ -198,11 +206,10 @@ class PolicyCache(Cache):
     def attend(self, i: int, q, k, v, mask, kwargs) -> torch.Tensor:
         # q (B, Hq, T, D); k, v (B, Hkv, T, D) -> (B, T, Hq, D), the layout attention functions return
         if mask is not None:
-            raise ValueError("minikv.hf: the attention mask masks some tokens (padding?); minikv policies "
-                             "take unpadded sequences")
-        if kwargs.get("sliding_window") != self.cfg.sliding_window:
+            raise ValueError(PADDING)
+        if kwargs.get("sliding_window") != self.cfg.layer_window(i):
             raise ValueError(f"minikv.hf: layer {i} uses a sliding window of {kwargs.get('sliding_window')}, "
-                             f"the model config says {self.cfg.sliding_window}")
+                             f"the model config says {self.cfg.layer_window(i)}")
         layer = self.policy.layer(i)
         if self.policy.steps == 0:
             out = layer.prefill(q, k, v, self.positions)
@@ -231,11 +238,18 @@ def _check_rope(model, policy) -> None:
     """A renumbering policy rotates keys with minikv's RoPE: it must be the model's."""
     found = False
     for module in _rotary_modules(model):
-        inv = getattr(module, "inv_freq", None)
+        # one table (inv_freq), or one per layer type (Gemma 3: full_attention_inv_freq, ...), of
+        # which the global layers' is the one the policy renumbers
+        kind = "" if hasattr(module, "inv_freq") else "full_attention_"
+        inv = getattr(module, f"{kind}inv_freq", None)
         if inv is None:
             continue
         found = True
-        scale = getattr(module, "attention_scaling", 1.0)
+        if policy.windows and "layer_type" not in inspect.signature(module.forward).parameters:
+            raise ValueError(f"minikv.hf: policy {policy.name!r} renumbers the global layers' positions, and this "
+                             f"model rotates its local and global layers with one table ({type(module).__name__}); "
+                             "use a policy that keeps positions")
+        scale = getattr(module, f"{kind}attention_scaling", 1.0)
         ours = policy.rope.inv_freq.to(inv.device, inv.dtype)
         if inv.shape != ours.shape or not torch.allclose(inv, ours, rtol=1e-6, atol=0) or scale != 1.0:
             raise ValueError(f"minikv.hf: policy {policy.name!r} renumbers positions, and this model's RoPE "

@@ -70,7 +70,9 @@ class PolicyRun:
 @contextmanager
 def policy(model, spec):
     """Inside the block, `model.generate(...)` runs every attention layer through a fresh binding
-    of policy `spec` (a spec string such as "freekv:budget=256", or an unbound Policy). Yields a
+    of policy `spec` (a spec string such as "freekv:budget=256", or an unbound Policy): the
+    full-attention layers through the policy, sliding-window ones through the window the runtime
+    keeps (one as long as the sequence is no window: the policy governs it too). Yields a
     PolicyRun: `run.stats()` is the last generation's policy stats. Blocks nest: inside an inner
     block its policy applies, and the outer one again after it; when the outermost block ends,
     the model is as it was before it (attention, hooks, `generate`), but for the last cache, which

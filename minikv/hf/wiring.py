@@ -12,7 +12,7 @@ from transformers import AttentionInterface, Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from .policy_cache import PolicyCache, _active, _active_cache, _rotary_modules, renumbers
+from .policy_cache import PADDING, PolicyCache, _active, _active_cache, _rotary_modules, renumbers
 
 ATTENTION = "minikv"  # the name under which the attention function is registered
 
@@ -29,12 +29,26 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
         raise RuntimeError(f"minikv.hf: attention of layer {i} did not receive the keys its cache layer "
                            "returned; this architecture is not supported")
     layer.pending = None
-    D = query.shape[-1]
-    if scaling is not None and not math.isclose(scaling, D ** -0.5, rel_tol=1e-6):
-        raise ValueError(f"minikv.hf: attention scale {scaling} is not 1/sqrt(head_dim); not supported")
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or dropout:
         raise ValueError("minikv.hf: logit softcapping, attention sinks and dropout are not supported")
+    D = query.shape[-1]
+    if scaling is not None and not math.isclose(scaling, D ** -0.5, rel_tol=1e-6):
+        # every policy scales scores by 1/sqrt(D); a model with another scale (Gemma 3's
+        # query_pre_attn_scalar^-1/2) gets it by scaling q, as minikv's gemma3 family does
+        query = query * (scaling * math.sqrt(D))
     return cache.attend(i, query, key, value, attention_mask, kwargs), None
+
+
+def mask(*args, **kwargs):
+    """The "minikv" mask function: none under a PolicyCache, whose policy masks causally and its
+    windows by position (a sliding window's mask, which transformers builds for a prompt longer
+    than the window, is the policy's own work); a padding mask is refused. SDPA's otherwise."""
+    if _active_cache() is None:
+        return sdpa_mask(*args, **kwargs)
+    padding = kwargs.get("attention_mask")  # (B, kv_length) bool, True where a token is real
+    if padding is not None and not bool(padding.all()):
+        raise ValueError(PADDING)
+    return None
 
 
 def _policy_cache(args, kwargs) -> PolicyCache | None:
@@ -77,9 +91,13 @@ def _after_forward(module, args, kwargs, output):
 
 
 def _rope_positions(module, args, kwargs):
-    # the rotary embedding's forward(x, position_ids): rotate at the positions the policy asks for
+    # the rotary embedding's forward(x, position_ids[, layer_type]): rotate at the positions the
+    # policy asks for; the local layers whose windows the runtime keeps, at the absolute ones
+    # (Gemma 3's rotary takes the layer type; _check_rope refuses a model whose rotary does not)
     cache = _active_cache()
     if cache is None or not renumbers(cache.policy):
+        return None
+    if cache.policy.windows and kwargs.get("layer_type", args[2] if len(args) > 2 else None) == "sliding_attention":
         return None
     if "position_ids" in kwargs:
         kwargs = {**kwargs, "position_ids": cache.policy.rope_positions(kwargs["position_ids"])}
@@ -97,7 +115,7 @@ def attach(model) -> None:
         raise ValueError(f"minikv.hf: {type(model).__name__} does not dispatch attention through "
                          "transformers' AttentionInterface; it cannot be routed through a policy")
     AttentionInterface.register(ATTENTION, attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)  # masks as for SDPA (used only without a policy)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, mask)  # SDPA's masks without a policy
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION)
     hooks = [model.register_forward_pre_hook(_before_forward, with_kwargs=True),

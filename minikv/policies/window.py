@@ -73,10 +73,11 @@ def local_windows(cfg: ModelConfig, max_len: int) -> dict[int, int]:
 
 def governed_config(cfg: ModelConfig, max_len: int) -> ModelConfig:
     """The config a policy is bound to for sequences of max_len tokens: the global layers alone,
-    with no window left to honour (the model's own config where it has no window)."""
+    with no window left to honour (the model's own config where it has no window). A window as
+    long as the sequence is no window for it (a Mistral's, then every layer a global one)."""
     from dataclasses import replace
 
-    if cfg.sliding_window is None or (cfg.layer_types is None and not local_windows(cfg, max_len)):
-        return cfg  # no window, or Mistral's as long as the sequence: the model's own config
+    if cfg.sliding_window is None:
+        return cfg
     return replace(cfg, n_layers=cfg.n_layers - len(local_windows(cfg, max_len)), layer_types=None,
                    sliding_window=None)

@@ -89,7 +89,11 @@ def test_a_model_of_local_layers_only_is_refused_by_a_policy_with_nothing_to_gov
     cfg = tiny_model("mistral_swa", device="cpu").cfg  # window 8 on every layer
     with pytest.raises(ValueError, match="^h2o does not combine with a sliding-window model"):  # its own word
         make("h2o").bind(cfg, device="cpu", dtype=torch.float32, max_len=20)
-    assert make("h2o").bind(cfg, device="cpu", dtype=torch.float32, max_len=8).cfg.n_layers == 2  # window covers it
+    # a window that covers the sequence is none: every layer global, no window left to honour
+    # (softfreeze, which refuses any window, runs)
+    for name in ("h2o", "softfreeze", "streaming:sink=2,window=4"):
+        bound = make(name).bind(cfg, device="cpu", dtype=torch.float32, max_len=8)
+        assert bound.cfg.n_layers == 2 and bound.cfg.sliding_window is None and not bound.windows
     full = make("full").bind(cfg, device="cpu", dtype=torch.float32, max_len=20)  # all windows, no policy layer
     assert full.layers == [] and [full.layer(i).slots for i in range(2)] == [8, 8]
 

@@ -395,10 +395,13 @@ def test_impossible_parameters(spec, message):
 
 
 def test_sliding_window_models_are_refused():
+    # a window shorter than the sequence; one as long is no window (policies/window.py): it runs
     from dataclasses import replace
 
     with pytest.raises(ValueError, match="sliding"):
-        make("softfreeze").bind(replace(TINY, sliding_window=16), device=DEVICE, dtype=torch.float32, max_len=8)
+        make("softfreeze").bind(replace(TINY, sliding_window=16), device=DEVICE, dtype=torch.float32, max_len=17)
+    bound = make("softfreeze").bind(replace(TINY, sliding_window=16), device=DEVICE, dtype=torch.float32, max_len=16)
+    assert bound.cfg.sliding_window is None
 
 
 # -- SmolLM2 -------------------------------------------------------------------------------------
