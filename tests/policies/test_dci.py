@@ -18,11 +18,12 @@ from hypothesis import strategies as st
 
 from minikv.kernels.dci_scores.reference import float_order
 from minikv.policies.icecache import pages_fast, search_fast
-from minikv.policies.icecache.search import (CLOSEST, field_of_view, find_page_index, merge_group, page_select,
+from minikv.policies.icecache.search import (CLOSEST, field_of_view, find_page_index, merge_group, page_lists,
                                              query, scan_node)
 from minikv.policies.icecache.search_fast import (build_layout, few_float_orders, node_windows, top_keys,
                                                   visited_per_node, window_starts)
-from minikv.policies.icecache.tree import DCIForest, level_of, levels_of, random_direction
+from minikv.policies.icecache.promotion import level_of, levels_of, random_direction
+from minikv.policies.icecache.tree import DCIForest
 
 
 def forest_of(keys, P=16, first=100, nxt=5, capacity=None, seed=0):
@@ -216,7 +217,7 @@ def test_fast_page_choice_equals_the_reference(n, fov, prop, batch, k, candidate
     the Triton backend's way), pick exactly search.find_page_index's pages after search.query,
     after the build and after every insert, whether the bound holds or every page is computed,
     with tied scores (duplicate keys) broken to the lower page; and the policy's merge of a
-    group's lists equals search.page_select."""
+    group's lists equals the reference's (search.page_lists, merge_group)."""
     draw, keys, f, heads = drawn_forest(seed, n, ties, policy_heads)
     ps, fs = pages_fast.PageSearch(f), search_fast.FastSearch(f)  # both watch the tree
     f.build(keys[:, :n // 2])
@@ -228,7 +229,7 @@ def test_fast_page_choice_equals_the_reference(n, fov, prop, batch, k, candidate
         assert torch.equal(ps.select_pages(q, heads, k, fov_, prop, batch, candidates), reference)
         assert torch.equal(fs.select_pages(q, heads, k, fov_, prop, batch), reference)
     merged = [merge_group(group, k) for group in ps.select_pages(q, None, k, fov_, prop, batch).tolist()]
-    assert page_select(f, q.reshape(6, 8), k, fov, prop, batch).tolist() == merged
+    assert [merge_group(group, k) for group in page_lists(f, q.reshape(6, 8), k, fov, prop, batch)] == merged
 
 
 @settings(max_examples=20)

@@ -26,7 +26,7 @@ def oracle_pages(layer, q, keys, n_tree):
     """The pages an exhaustive search selects, from scratch: per query head, the tree's pages
     ranked by the largest q.k over their keys (the keys the layer holds: tree ids < n_tree),
     the first K; the group's lists interleaved, the first K distinct. -> (Hkv, K), -1 pads."""
-    f, K, G = layer.forest, layer.K, layer.G
+    f, K, G = layer.forest, layer.K, q.shape[1] // layer.forest.H
     P0 = layer.kv.n_sink * layer.kv.P  # tree id t is token P0 + t
     if max(f.n_pages) <= K:
         return torch.tensor([list(range(n)) + [-1] * (K - n) for n in f.n_pages])

@@ -14,8 +14,10 @@ import torch
 
 from minikv.policies import make
 from minikv.policies.icecache import search_fast
-from minikv.policies.icecache.search import field_of_view, page_select, query
-from minikv.policies.icecache.tree import DCIForest, level_of, levels_of, random_direction, random_directions
+from minikv.policies.icecache.counts import forest_bytes
+from minikv.policies.icecache.promotion import level_of, levels_of, random_direction, random_directions
+from minikv.policies.icecache.search import field_of_view, merge_group, page_lists, query
+from minikv.policies.icecache.tree import DCIForest
 
 from ..fixtures import DEVICE
 from . import test_icecache_paper as paper
@@ -66,7 +68,7 @@ def test_insert_promotes_by_the_counter_and_takes_the_nearest_older_parent():
 @pytest.mark.parametrize("backend", ["reference", "eager"])
 def test_the_policys_field_of_view_reaches_the_search(backend):
     # a field of view of 1 node per level: each layer's select is PAGE-SELECT with that fov (the
-    # reference search.page_select, group-merged), and on this tree it chooses other pages than
+    # reference search.page_lists, group-merged), and on this tree it chooses other pages than
     # the default fov would, so a select that dropped the policy's fov would be seen
     spec = (f"icecache:page_size={paper.P},sink={paper.SINK},window={paper.WINDOW},"
             f"budget={paper.SINK + paper.WINDOW + paper.K * paper.P},skip_layers=0,fov=1,prop=0.25,backend={backend}")
@@ -80,9 +82,10 @@ def test_the_policys_field_of_view_reaches_the_search(backend):
     f, K, differs = layer.forest, layer.K, 0
     for _ in range(8):
         q1 = torch.randn(1, H, D, generator=g)
-        want = page_select(f, q1[0], K, 1, 0.25, policy.batch)
+        want = torch.tensor([merge_group(group, K) for group in page_lists(f, q1[0], K, 1, 0.25, policy.batch)])
         assert [set(row) - {-1} for row in layer.select(q1.to(DEVICE)).tolist()] == [set(row) - {-1} for row in want.tolist()]
-        wide = page_select(f, q1[0], K, field_of_view(f.n), 0.25, policy.batch)
+        wide = torch.tensor([merge_group(group, K) for group in page_lists(f, q1[0], K, field_of_view(f.n), 0.25,
+                                                                            policy.batch)])
         differs += [set(r) for r in want.tolist()] != [set(r) for r in wide.tolist()]
     assert differs  # the field of view changes the choice on this tree
 
@@ -301,9 +304,9 @@ def test_the_host_bytes_count_the_tree_once_and_every_tensor_of_it():
     f = anchor.forest
     assert reuse.forest is f and sum(w.nbytes() for w in f.watchers) > 0
     tensors = [t for name, t in vars(f).items() if isinstance(t, torch.Tensor) and name != "u"]
-    assert f.nbytes() == sum(t.numel() * t.element_size() for t in tensors) + sum(w.nbytes() for w in f.watchers)
+    assert forest_bytes(f) == sum(t.numel() * t.element_size() for t in tensors) + sum(w.nbytes() for w in f.watchers)
     (dev_a, host_a), (dev_r, host_r) = anchor.aux_bytes(), reuse.aux_bytes()
-    assert dev_a == dev_r and host_a - host_r == f.nbytes()
+    assert dev_a == dev_r and host_a - host_r == forest_bytes(f)
     pages = anchor.kv.candidates
     assert pages.aux_bytes() == (0, pages.fill.numel() * pages.fill.element_size())
     assert anchor.allocated_host_tokens() * policy.token_bytes() == pages.host.numel() * pages.host.element_size()

@@ -57,9 +57,6 @@ class PDCIForest(DCIForest):
         super()._store(keys)
         self.uk_all[:, a:a + m] = keys.float() @ self.U[:, :-1].T
 
-    def nbytes(self) -> int:
-        return super().nbytes() + self.uk_all.numel() * self.uk_all.element_size()
-
     def key_projections(self, h: int, ids: torch.Tensor) -> torch.Tensor:
         """U.T_K(k) (n, L m) of head h's points ids (n,) at the current c (Eq. 2)."""
         c = max(float(self.c[h]), 1e-30)

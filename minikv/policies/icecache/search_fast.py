@@ -59,7 +59,8 @@ class LevelLayout(NamedTuple):
 class FastSearch:
     """The batched search beside one DCIForest: per level and search parameters the part that
     does not depend on the query (a LevelLayout), kept until the tree changes. The tree tells
-    it (DCIForest.watchers): points that joined a level are merged into the kept order later
+    it (DCIForest.watchers): after a build, the search named by `params` is prepared (`built`);
+    points that joined a level are merged into the kept order later
     (`joined`); a growth of c or a new top level changes every projection or the top's parent,
     and everything is built again (`changed`). backend: kernels/dci_scores' backend for the
     gathered keys."""
@@ -68,7 +69,14 @@ class FastSearch:
         self.forest, self.backend = forest, backend
         self._layouts: dict[tuple, LevelLayout] = {}  # (level, prop, fov, batch) -> its layout
         self._joined: dict[tuple, list[torch.Tensor]] = {}  # layout key -> runs that joined its level since
+        self.params = None  # (prop, fov or None, batch): the search to prepare once the tree is built
         forest.watchers.append(self)
+
+    def built(self) -> None:
+        """The tree was built (build.py, at prefill): what the next search needs is built now."""
+        if self.params is not None:
+            prop, fov, batch = self.params
+            self.prepare(prop, field_of_view(self.forest.n) if fov is None else fov, batch)
 
     def joined(self, level: int, run: torch.Tensor) -> None:
         """The points run (r,) joined `level` and nothing else changed."""
