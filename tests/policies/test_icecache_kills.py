@@ -14,7 +14,7 @@ import torch
 
 from minikv.policies import make
 from minikv.policies.icecache import search_fast
-from minikv.policies.icecache.counts import forest_bytes
+from minikv.policies.icecache.counts import forest_bytes, tree_page
 from minikv.policies.icecache.promotion import level_of, levels_of, random_direction, random_directions
 from minikv.policies.icecache.search import field_of_view, merge_group, page_lists, query
 from minikv.policies.icecache.tree import DCIForest
@@ -135,7 +135,7 @@ def test_levels_follow_the_forests_counter_and_pages_the_projections():
             children = sorted((t for t in range(n0) if int(f.parent[h, t]) == parent),
                               key=lambda t: (float(f.proj[h, t]), t))
             want |= {tuple(children[i:i + P]) for i in range(0, len(children), P)}
-        assert {tuple(f.page_tokens(h, p)) for p in range(f.n_pages[h])} == want
+        assert {tuple(tree_page(f, h, p)) for p in range(f.n_pages[h])} == want
     for a in range(n0, n, 50):
         f.insert(keys[:, a:a + 50])
     levels = levels_of(torch.arange(n), 7, 2)
@@ -283,7 +283,7 @@ def test_stats_count_recalls_per_decode_step_keys_scored_and_page_fill():
     assert s["pages_recalled"] == layer.kv.pages_recalled > 0
     assert s["pages_recalled_per_step"] == pytest.approx(layer.kv.pages_recalled / steps)
     assert s["keys_scored_fraction"] == 1.0
-    fills = [len(f.page_tokens(h, p)) for h in range(f.H) for p in range(f.n_pages[h])]
+    fills = [len(tree_page(f, h, p)) for h in range(f.H) for p in range(f.n_pages[h])]
     assert s["mean_page_fill"] == pytest.approx(sum(fills) / (len(fills) * paper.P))
 
 

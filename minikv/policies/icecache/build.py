@@ -1,5 +1,6 @@
-"""Algorithm 2 (DCI-INDEXING): a DCI forest built in bulk over the keys a prefill leaves between
-the sink and the window (tree.DCIForest inherits it; its insert grows the tree afterwards).
+"""A DCI forest's construction (tree.DCIForest inherits it; its insert grows the tree afterwards):
+its state, allocated once for `capacity` points, and Algorithm 2 (DCI-INDEXING), the bulk build
+over the keys a prefill leaves between the sink and the window.
 
 Mao, Wang, Ester, Li, "IceCache: Memory-Efficient KV-Cache Management for Long-Sequence LLMs",
 ICLR 2026 submission, arXiv:2604.10539, https://arxiv.org/abs/2604.10539 (Alg. 2, App. B.1).
@@ -17,9 +18,44 @@ from __future__ import annotations
 
 import torch
 
+from .promotion import FIRST_PROMOTION, NEXT_PROMOTION, levels_of
+
 
 class Build:
-    """DCIForest's bulk build (see the module docstring); the state it fills is tree.py's."""
+    """DCIForest's construction (see the module docstring; tree.DCIForest lists the state)."""
+
+    def __init__(self, *, n_heads: int, head_dim: int, page_size: int, capacity: int, u: torch.Tensor,
+                 first: int = FIRST_PROMOTION, nxt: int = NEXT_PROMOTION, levels: torch.Tensor | None = None):
+        H, D, P = n_heads, head_dim, page_size
+        self.H, self.D, self.P, self.cap = H, D, P, capacity
+        # promoted (capacity,): the level each insertion index is promoted to, drawn ahead
+        # (promotion.py: promotion_levels, or by default the counter, levels_of)
+        self.promoted = levels_of(torch.arange(capacity), first, nxt) if levels is None else levels[:capacity].clone()
+        self.u = u.float()  # (D + 1,)
+        # every parent (the root and the points above level 1) has at most one page not full
+        self.max_pages = capacity // P + int((self.promoted > 1).sum()) + 2
+        self.n = 0
+        self.top = 0  # number of levels (0: empty tree)
+        # the keys, page-major: a point never changes page, so its row never moves
+        self.slot_keys = torch.zeros((H, self.max_pages * P, D), dtype=torch.float32, device="cpu")
+        # |k|^2 and c in float64: sqrt(c^2 - |k|^2) of the longest keys, the ones MIPS is about,
+        # takes the square root of a difference near 0, where float32 would lose ~1e-3
+        self.sq = torch.zeros(H, capacity, dtype=torch.float64)  # |k|^2
+        self.uk = torch.zeros(H, capacity)  # u[:D].k
+        self.proj = torch.zeros(H, capacity)  # u.T_K(k) at the current c
+        self.c = torch.zeros(H, dtype=torch.float64)  # running max key norm, per head
+        self.level = torch.zeros(capacity, dtype=torch.int64)
+        self.pos_in_level = torch.zeros(capacity, dtype=torch.int64)
+        self._level_ids: dict[int, torch.Tensor] = {}  # level -> its tree ids (level_ids)
+        self.parent = torch.full((H, capacity), -1, dtype=torch.int64)
+        self.page_of = torch.full((H, capacity), -1, dtype=torch.int64)
+        self.slot_of = torch.full((H, capacity), -1, dtype=torch.int64)
+        self.fill = torch.zeros(H, self.max_pages, dtype=torch.int64)
+        self.page_token = torch.full((H, self.max_pages, P), -1, dtype=torch.int64)  # tree id per slot
+        self.n_pages = [0] * H
+        self.open_page: list[dict[int, int]] = [{} for _ in range(H)]  # parent -> its open page
+        self.watchers: list = []  # the batched searches beside the tree, told of a build
+        self.scored = self.searched = 0  # statistics (counts.py): keys the searches scored, of those indexed
 
     def build(self, keys: torch.Tensor) -> None:
         """Index keys (H, n, D) into an empty forest: levels, parents, pages."""

@@ -6,6 +6,7 @@ never calls them: the keys the reference search scored, counted where it reads t
                        projects each query once (query_projection): the counts of the reference
                        search (the batched forms and pdci.py count their own)
     forest_bytes       every tensor a tree holds, and what its batched search keeps beside it
+    tree_page          the tree ids a page of a tree holds
     PageAccounting     SemanticPages' tokens of a page (attention recall) and its bytes
     LayerAccounting    IceCacheLayer's host slots, aux bytes and the tokens its step read
     report             pages recalled (per decode step), keys scored per key searched, mean fill
@@ -35,6 +36,11 @@ def forest_bytes(forest) -> int:
     projections included (pdci.py), and what its batched searches keep beside it."""
     tensors = [t for name, t in vars(forest).items() if isinstance(t, torch.Tensor) and name not in ("u", "U")]
     return sum(t.numel() * t.element_size() for t in tensors) + sum(w.nbytes() for w in forest.watchers)
+
+
+def tree_page(forest, h: int, page: int) -> list[int]:
+    """Tree ids in page `page` of head h's tree, in slot order."""
+    return forest.page_token[h, page, :int(forest.fill[h, page])].tolist()
 
 
 class PageAccounting:

@@ -1,4 +1,4 @@
-"""icecache's decode step (Alg. 1 of IceCache): semantic pages, the leaves of a DCI tree per KV head.
+"""icecache's decode step (IceCache's Algorithm 1): semantic pages, the leaves of a DCI tree per KV head.
 
 Mao, Wang, Ester, Li, "IceCache: Memory-Efficient KV-Cache Management for Long-Sequence LLMs",
 ICLR 2026 submission, arXiv:2604.10539, https://arxiv.org/abs/2604.10539.
@@ -7,22 +7,18 @@ Pages are clusters of keys that point the same way (the tree's leaves), not runs
 tokens, so a query's few relevant keys sit in a few pages. One decode step of a layer (Alg. 1):
 
   line 20       IceCacheLayer.decode: the new token joins the window (PagedKV.append)
-  lines 16-17   PagedKV.leave_window: the last page fills up, the oldest window page leaves the
-                device (window_offload=before, the paper's order: before attention; the default
-                `after` runs it after line 25)
-  line 22       IceCacheLayer.select: PAGE-SELECT (Alg. 3-4) per query head, search.page_lists,
-                then the GQA merge (search.merge_group; merge_union with gqa=union)
-  line 23       PagedKV.recall: only the pages not already on the device, bulk-copied (Sec. 4.3)
-  line 25       PagedKV.attend: sink, selected pages and window through a page table, partly
-                filled pages masked (kernels/paged_attention)
-  lines 26-36   PagedKV.store -> SemanticPages.offload: the page that left goes into the tree
+  lines 16-17   PagedKV.leave_window: the last page filled, the oldest window page leaves the
+                device (window_offload=before, the paper's order; by default after line 25)
+  line 22       IceCacheLayer.select: PAGE-SELECT (Alg. 3-4) per query head (search.page_lists),
+                merged per GQA group (search.merge_group; pdci.merge_union with gqa=union)
+  line 23       PagedKV.recall: only the pages not already on the device, in one copy (Sec. 4.3)
+  line 25       PagedKV.attend: sink, selected pages and window (kernels/paged_attention)
+  lines 26-36   PagedKV.store -> SemanticPages.offload: the page that left, into the tree
                 (tree.DCIForest.insert) and, bit for bit, into its tokens' host pages
-  prefill (lines 3-12) dense attention; the tokens between sink and window indexed (build.py)
 
-policy.py makes the layers: the parameters, the checks, and the search each layer runs (the
-reference's loops, pdci.py for descent=greedy, or the batched forms the other backends run). A
-tree of at most K pages is read whole. IceCache(reuse) (App. C): a layer without a tree of its
-own (`anchor`) keeps its KV in the anchor's pages and reads the pages the anchor selected.
+policy.py makes each layer's parts (its tree, its pages, the search its backend runs). A tree of
+at most K pages is read whole. IceCache(reuse) (App. C): a layer with an `anchor` has no tree of
+its own; it keeps its KV in the anchor's pages and reads the pages the anchor selected.
 """
 from __future__ import annotations
 

@@ -157,7 +157,7 @@ class IceCache(Policy):
         G = self.cfg.n_heads // self.cfg.n_kv_heads
         union = self.gqa == "union"  # a union of G lists of K // G pages fits K slots
         layer = IceCacheLayer(self, index, forest=forest, kv=kv, anchor=anchor, page_lists=page_lists,
-                              merge=search.merge_union if union else search.merge_group,
+                              merge=pdci.merge_union if union else search.merge_group,
                               k=self.n_select // G if union else self.n_select, searcher=searcher)
         if anchor is None:
             self._anchor_of[index] = layer

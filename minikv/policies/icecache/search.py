@@ -19,7 +19,7 @@ several P-DCI indices, is pdci.py (`descent=greedy`, which `icecache:paper` sele
   Algorithm 3, PAGE-SELECT    page_lists(): QUERY, then FIND-PAGE-INDEX (find_page_index), per
                               query head
   GQA (Sec. 4.2)              merge_group(): the group's page lists round-robin, first k distinct
-                              (the authors' code); merge_union(): the paper's union (gqa=union)
+                              (the authors' code); the paper's union (gqa=union): pdci.merge_union
 
 Decisions (docs/design.md, "icecache"; the authors' M-DCI where the paper is silent): field of
 view max(30, 0.0015 n); batches of CLOSEST = 128 projections; pages in order of their best scored
@@ -102,16 +102,6 @@ def merge_group(lists: list[list[int]], k: int) -> list[int]:
     rounds = zip_longest(*lists, fillvalue=-1)  # round j: every head's j-th page
     merged = [page for page in dict.fromkeys(chain.from_iterable(rounds)) if page >= 0][:k]  # first of each
     return merged + [-1] * (k - len(merged))
-
-
-def merge_union(lists: list[list[int]], k: int) -> list[int]:
-    """GQA as the paper writes it (Sec. 4.2): "the union of the selected pages across queries
-    within the same group", in order of first appearance (query head 0's pages, then each next
-    head's new ones), -1 padded to k slots; the caller gives each head few enough pages to fit."""
-    union = list(dict.fromkeys(page for pages in lists for page in pages if page >= 0))
-    if len(union) > k:
-        raise ValueError(f"the union of the group's pages holds {len(union)}, more than its {k} slots")
-    return union + [-1] * (k - len(union))
 
 
 def page_lists(tree, q: torch.Tensor, k: int, fov: int | None = None, prop: float = 0.8,

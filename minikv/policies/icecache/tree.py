@@ -18,59 +18,33 @@ Decisions (docs/design.md, "icecache"; the authors' M-DCI code where the paper i
     from u[:D].k and |k|^2, so nothing stale survives (q.k itself does not depend on c);
   * a point's parent is its nearest point one level up (largest sim, exactly; ties to the older);
     descent=greedy (pdci.PDCIForest) finds it with the paper's QUERY(k, T, l + 1, 1) instead;
-  * an inserted point goes to its parent's open page, a new page when full: no token ever moves.
-    A point that opens a new top level adopts the old top level and the root's pages unchanged
-    (a point drawn more than one level above the top opens one level: the levels stay gapless).
+  * an inserted point goes to its parent's open page, a new page when full: no token ever moves;
+    a point drawn above the top opens one level (_raise_top): the levels stay gapless.
 """
 from __future__ import annotations
 
 import torch
 
 from .build import Build
-from .promotion import FIRST_PROMOTION, NEXT_PROMOTION, levels_of
 
 
 class DCIForest(Build):
     """One DCI tree per KV head over the same tokens (their keys differ per head). Tree ids are
-    insertion order: tree id t is the t-th key inserted.
+    insertion order: tree id t is the t-th key inserted. Its state, for at most `cap` points (H KV
+    heads, head_dim D, pages of P; allocated in build.py):
 
-    slot_keys (H, max_pages P, D) float32: the index's copy of the keys, page by page (row c P + s
-    holds page c's slot s). Per point: level (shared by the heads: the promotion depends only on
-    t), parent (H, cap), its page and slot (H, cap). Per page: fill (H, max_pages) and the tree id
-    in each slot. watchers: the batched searches, told of each change (built, joined, changed)."""
-
-    def __init__(self, *, n_heads: int, head_dim: int, page_size: int, capacity: int, u: torch.Tensor,
-                 first: int = FIRST_PROMOTION, nxt: int = NEXT_PROMOTION, levels: torch.Tensor | None = None):
-        H, D, P = n_heads, head_dim, page_size
-        self.H, self.D, self.P, self.cap = H, D, P, capacity
-        # promoted (capacity,): the level each insertion index is promoted to, drawn ahead
-        # (promotion.py: promotion_levels, or by default the counter, levels_of)
-        self.promoted = levels_of(torch.arange(capacity), first, nxt) if levels is None else levels[:capacity].clone()
-        self.u = u.float()  # (D + 1,)
-        # every parent (the root and the points above level 1) has at most one page not full
-        self.max_pages = capacity // P + int((self.promoted > 1).sum()) + 2
-        self.n = 0
-        self.top = 0  # number of levels (0: empty tree)
-        # the keys, page-major: a point never changes page, so its row never moves
-        self.slot_keys = torch.zeros((H, self.max_pages * P, D), dtype=torch.float32, device="cpu")
-        # |k|^2 and c in float64: sqrt(c^2 - |k|^2) of the longest keys, the ones MIPS is about,
-        # takes the square root of a difference near 0, where float32 would lose ~1e-3
-        self.sq = torch.zeros(H, capacity, dtype=torch.float64)  # |k|^2
-        self.uk = torch.zeros(H, capacity)  # u[:D].k
-        self.proj = torch.zeros(H, capacity)  # u.T_K(k) at the current c
-        self.c = torch.zeros(H, dtype=torch.float64)  # running max key norm, per head
-        self.level = torch.zeros(capacity, dtype=torch.int64)
-        self.pos_in_level = torch.zeros(capacity, dtype=torch.int64)
-        self._level_ids: dict[int, torch.Tensor] = {}  # level -> its tree ids (level_ids)
-        self.parent = torch.full((H, capacity), -1, dtype=torch.int64)
-        self.page_of = torch.full((H, capacity), -1, dtype=torch.int64)
-        self.slot_of = torch.full((H, capacity), -1, dtype=torch.int64)
-        self.fill = torch.zeros(H, self.max_pages, dtype=torch.int64)
-        self.page_token = torch.full((H, self.max_pages, P), -1, dtype=torch.int64)  # tree id per slot
-        self.n_pages = [0] * H
-        self.open_page: list[dict[int, int]] = [{} for _ in range(H)]  # parent -> its open page
-        self.watchers: list = []
-        self.scored = self.searched = 0  # statistics (counts.py): keys the searches scored, of those indexed
+      n, top                          points indexed; levels (0: an empty tree)
+      u (D + 1,), c (H,)              the projection direction; the running max key norm, float64
+      sq, uk, proj (H, cap)           |k|^2 (float64), u[:D].k, u.T_K(k) at the current c
+      promoted (cap,)                 the level each point is promoted to, drawn ahead (promotion.py)
+      level, pos_in_level (cap,)      each point's level (shared by the heads) and place in level_ids
+      parent, page_of, slot_of (H, cap)    each point's parent (-1: the root), page and slot
+      slot_keys (H, max_pages P, D)   the keys, page-major: row c P + s is page c's slot s (a point
+                                      never changes page, so its row never moves)
+      fill, page_token, n_pages       per page its points and their tree ids (H, max_pages[, P]);
+                                      pages per head
+      open_page [H] {parent: page}    each parent's one page not yet full
+    """
 
     # -- the MIPS transform (Eqs. 2-3) ---------------------------------------------------------
     def _project(self, uk: torch.Tensor, sq: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -113,12 +87,11 @@ class DCIForest(Build):
         if a + m > self.cap:
             raise ValueError(f"the DCI tree holds at most {self.cap} keys, {a + m} asked")
         k = keys.float()
-        sq = k.double().square().sum(-1)
+        sq = k.double().square().sum(-1)  # float64: sqrt(c^2 - |k|^2) of the longest keys is a root near 0
         c = torch.maximum(self.c, sq.amax(dim=1).sqrt())
         if not torch.equal(c, self.c):  # a longer key: c grows, every projection is recomputed exactly
             self.c = c
             self.proj[:, :a] = self._project(self.uk[:, :a], self.sq[:, :a], c)
-            self._changed()
         self.sq[:, a:a + m] = sq
         self.uk[:, a:a + m] = k @ self.u[:-1]
         self.proj[:, a:a + m] = self._project(self.uk[:, a:a + m], sq, c)
@@ -161,8 +134,6 @@ class DCIForest(Build):
             self.pos_in_level[run] = torch.arange(ids.numel(), ids.numel() + run.numel())
             self.level[run] = level
             self._level_ids[level] = torch.cat((ids, run))
-            for watcher in self.watchers:
-                watcher.joined(level, run)
             self.parent[:, run] = parents
             self.n = end
             self._place(run, parents)
@@ -173,7 +144,6 @@ class DCIForest(Build):
         # point t opens level top + 1: the old top level (the root's children) become its
         # children, the root's pages its pages (no token moves), and t becomes the root's child
         self.parent[:, self.level_ids(self.top)] = t
-        self._changed()
         for h in range(self.H):
             if -1 in self.open_page[h]:
                 self.open_page[h][t] = self.open_page[h].pop(-1)
@@ -197,12 +167,3 @@ class DCIForest(Build):
         self.page_of[heads, tokens], self.slot_of[heads, tokens] = pages, slots
         self.page_token[heads, pages, slots] = tokens
         self.fill[heads, pages] = slots + 1
-
-    def _changed(self) -> None:
-        # projections or parents changed: what the watchers derived from them is stale
-        for watcher in self.watchers:
-            watcher.changed()
-
-    def page_tokens(self, h: int, page: int) -> list[int]:
-        """Tree ids in page `page` of head h, in slot order."""
-        return self.page_token[h, page, :int(self.fill[h, page])].tolist()
