@@ -50,9 +50,7 @@ class SemanticPages(PageAccounting):
         m, a = n * P, first * P  # tree ids a .. a + m - 1 (token n_sink P + t)
         keys = self.tiers.to_host(k.permute(2, 0, 1, 3).reshape(H, m, D), fresh=True)  # (Hkv, m, D) in token order
         vals = self.tiers.to_host(v.permute(2, 0, 1, 3).reshape(H, m, D), fresh=True)
-        if self.owner:
-            if self.forest.n != a:
-                raise RuntimeError(f"tree holds {self.forest.n} keys, layer offloads from {a}")
+        if self.owner:  # the layer's pages leave in order: the tree holds exactly tree ids 0 .. a - 1
             self.forest.insert(keys)  # Algorithm 1, lines 26-36 (at prefill: Algorithm 2, build.py)
         page = self.forest.page_of[:, a:a + m]  # (Hkv, m)
         slot = self.forest.slot_of[:, a:a + m]
@@ -96,10 +94,9 @@ class IceCacheLayer(LayerAccounting):
         return torch.tensor([self.merge(group, K) for group in lists], dtype=torch.int64)
 
     def prefill(self, q, k, v, positions):
-        # q (1, Hq, T, D); k, v (1, Hkv, T, D): dense attention over the prompt, then page it
-        out = dense_attention(q, k, v)
+        # q (1, Hq, T, D); k, v (1, Hkv, T, D): the prompt paged, and dense attention over it
         self.kv.prefill(k, v)
-        return out
+        return dense_attention(q, k, v)
 
     def decode(self, q, k, v, positions):
         # q (1, Hq, 1, D); k, v (1, Hkv, 1, D)
