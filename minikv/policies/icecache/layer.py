@@ -71,7 +71,7 @@ class SemanticPages(PageAccounting):
 
 class IceCacheLayer(LayerAccounting):
     """One layer: its paged KV (`kv`, paged.PagedKV over SemanticPages), and the tree it searches
-    (`forest`: its own, or its anchor's under IceCache(reuse))."""
+    (`forest`: its own, or its anchor's under IceCache(reuse); `searcher`: a batched form's, policy.py)."""
 
     def __init__(self, policy, index: int, *, forest, kv, anchor: "IceCacheLayer | None", page_lists, merge,
                  k: int, searcher=None):
