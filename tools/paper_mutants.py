@@ -102,7 +102,8 @@ MUTANTS = {
          "nxt[who] = children[sim.masked_fill(~cand, -math.inf).argmax(dim=1)]",
          "nxt[who] = children[sim.masked_fill(~cand, math.inf).argmin(dim=1)]"),
         ("wrong parents: the exact nearest point one level up (the default's scan), not QUERY's descent",
-         f"{ICE}/pdci.py", "    def _find_parents(self, level: int, keys: torch.Tensor, run: torch.Tensor) -> torch.Tensor:\n"
+         f"{ICE}/pdci.py",
+         "    def _find_parents(self, level: int, keys: torch.Tensor, run: torch.Tensor) -> torch.Tensor:\n"
          "        return self._greedy_parents(level, keys, run)",
          "    def _find_parents(self, level: int, keys: torch.Tensor, run: torch.Tensor) -> torch.Tensor:\n"
          "        return DCIForest._find_parents(self, level, keys, run)"),
@@ -110,7 +111,8 @@ MUTANTS = {
          "return (q @ self.U[:, :-1].T) / q.norm(dim=-1, keepdim=True).clamp_min(1e-30)",
          "return -(q @ self.U[:, :-1].T) / q.norm(dim=-1, keepdim=True).clamp_min(1e-30)"),
         ("T_Q(q) without its division by the norm of q", f"{ICE}/pdci.py",
-         "return (q @ self.U[:, :-1].T) / q.norm(dim=-1, keepdim=True).clamp_min(1e-30)", "return q @ self.U[:, :-1].T"),
+         "return (q @ self.U[:, :-1].T) / q.norm(dim=-1, keepdim=True).clamp_min(1e-30)",
+         "return q @ self.U[:, :-1].T"),
         ("a missing projection: T_K without its last coordinate, sqrt(1 - k.k / c^2)", f"{ICE}/pdci.py",
          "self.U[:, -1].double() * tail[:, None]", "0 * tail[:, None]"),
         ("pages not clustered: a build cuts the keys in token order", f"{ICE}/build.py",
@@ -120,7 +122,8 @@ MUTANTS = {
          "        par = torch.zeros(n, dtype=torch.int64)"),
         ("the union replaced by round-robin first k: each query head K pages, the first K distinct kept",
          f"{ICE}/policy.py",
-         ("merge=pdci.merge_union if union else search.merge_group,", "k=self.n_select // G if union else self.n_select,"),
+         ("merge=pdci.merge_union if union else search.merge_group,",
+          "k=self.n_select // G if union else self.n_select,"),
          ("merge=search.merge_group,", "k=self.n_select,")),
         ("promotion deterministic: the counter (1 in 100, then 1 in 5) under promotion=random", f"{ICE}/policy.py",
          "shape[\"levels\"] = promotion_levels(self.max_len, self.ratio, promotion_stream(self.seed, index))", "pass"),

@@ -78,7 +78,8 @@ class PageSearch(FastSearch):
         return select_pages(self, q, heads, k, fov, prop, batch, candidates)
 
     def nbytes(self) -> int:
-        return super().nbytes() + sum(t.numel() * t.element_size() for _, sm, _ in self._searches.values() for t in sm[:-1])
+        kept = [t for _, sm, _ in self._searches.values() for t in sm[:-1]]
+        return super().nbytes() + sum(t.numel() * t.element_size() for t in kept)
 
 
 def fast_search(forest, backend: str) -> FastSearch:
