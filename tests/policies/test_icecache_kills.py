@@ -14,7 +14,7 @@ import torch
 
 from minikv.policies import make
 from minikv.policies.icecache import search_fast
-from minikv.policies.icecache.counts import forest_bytes, tree_page
+from minikv.policies.icecache.counts import CountedForest, forest_bytes, tree_page
 from minikv.policies.icecache.promotion import level_of, levels_of, random_direction, random_directions
 from minikv.policies.icecache.search import field_of_view, merge_group, page_lists, query
 from minikv.policies.icecache.tree import DCIForest
@@ -258,6 +258,38 @@ def test_what_the_policy_and_the_tree_refuse():
         f.build(torch.randn(1, 5, 4))
     with pytest.raises(ValueError, match="holds at most 10 keys, 12 asked"):
         f.insert(torch.randn(1, 7, 4))
+
+
+def test_the_reference_search_is_counted_where_it_reads_the_keys():
+    """backend=reference counts its keys scored beside search.py (counts.CountedForest): each
+    query adds every key indexed to `searched` and exactly the keys its dict holds (every key
+    Algorithm 4 scored, Flag = True) to `scored`; the layer's forest is a CountedForest, and a
+    selection through the policy adds as much as the queries run alone."""
+    H, D, n = 2, 8, 700
+    g = torch.Generator().manual_seed(21)
+    keys = torch.randn(H, n, D, generator=g)
+    f = CountedForest(n_heads=H, head_dim=D, page_size=4, capacity=n, u=random_direction(D))
+    f.build(keys[:, :400])
+    f.insert(keys[:, 400:])
+    assert (f.scored, f.searched) == (0, 0)  # building reads no key through the search's accessor
+    sizes = []
+    for j in range(3):
+        scored = query(f, torch.randn(D, generator=g), j % H, fov=3, prop=0.5, batch=4)
+        sizes.append(len(scored))
+    assert f.searched == 3 * n and f.scored == sum(sizes) < 3 * n  # the tree pruned: not every key
+    spec = f"icecache:page_size={paper.P},sink={paper.SINK},window={paper.WINDOW},budget=24,skip_layers=0"
+    policy = make(spec + ",backend=reference,fov=2,prop=0.5").bind(paper.CFG, device=DEVICE, dtype=torch.float32, max_len=400)
+    layer = policy.layers[0]
+    Hq, Hkv = paper.CFG.n_heads, paper.CFG.n_kv_heads
+    layer.prefill(*(torch.randn(1, h, 390, paper.CFG.head_dim, generator=g).to(DEVICE) for h in (Hq, Hkv, Hkv)), None)
+    tree = layer.forest
+    assert type(tree) is CountedForest and max(tree.n_pages) > layer.K
+    q = torch.randn(1, Hq, paper.CFG.head_dim, generator=g)
+    G = Hq // Hkv
+    alone = sum(len(query(tree, q[0, j], j // G, 2, 0.5, policy.batch)) for j in range(Hq))
+    before = tree.scored
+    layer.select(q.to(DEVICE))
+    assert tree.scored - before == alone and tree.searched == 2 * Hq * tree.n
 
 
 def test_stats_count_recalls_per_decode_step_keys_scored_and_page_fill():
