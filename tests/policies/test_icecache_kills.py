@@ -278,7 +278,8 @@ def test_the_reference_search_is_counted_where_it_reads_the_keys():
         sizes.append(len(scored))
     assert f.searched == 3 * n and f.scored == sum(sizes) < 3 * n  # the tree pruned: not every key
     spec = f"icecache:page_size={paper.P},sink={paper.SINK},window={paper.WINDOW},budget=24,skip_layers=0"
-    policy = make(spec + ",backend=reference,fov=2,prop=0.5").bind(paper.CFG, device=DEVICE, dtype=torch.float32, max_len=400)
+    policy = make(spec + ",backend=reference,fov=2,prop=0.5").bind(paper.CFG, device=DEVICE, dtype=torch.float32,
+                                                                    max_len=400)
     layer = policy.layers[0]
     Hq, Hkv = paper.CFG.n_heads, paper.CFG.n_kv_heads
     layer.prefill(*(torch.randn(1, h, 390, paper.CFG.head_dim, generator=g).to(DEVICE) for h in (Hq, Hkv, Hkv)), None)
