@@ -55,7 +55,7 @@ SCOPES = {
     "paged": ([f"{POL}/paged.py", f"{POL}/paged_prefill.py", f"{POL}/host_pages.py", f"{POL}/paged_stats.py"], [f"{T}/test_paged.py", f"{T}/test_paged_kills.py", f"{T}/test_freekv_paper.py",
                                     f"{T}/test_freekv_kills.py", f"{T}/test_icecache.py", f"{T}/test_icecache_kills.py",
                                     *NOT_MODELS]),
-    "icecache": ([f"{POL}/icecache/{m}.py" for m in ("tree", "search", "policy")],
+    "icecache": ([f"{POL}/icecache/{m}.py" for m in ("layer", "tree", "search", "build", "promotion", "policy", "counts")],
                  [f"{T}/test_icecache_paper.py", f"{T}/test_dci.py", f"{T}/test_icecache.py",
                   f"{T}/test_icecache_kills.py", *NOT_MODELS]),
     "synckv": ([f"{POL}/synckv/{m}.py" for m in ("bank", "clusters", "binding", "layer", "accounting", "policy")],

@@ -6,11 +6,12 @@
     python tools/paper_mutants.py --list          # the mutants, their edits and their test files
 
 Each mutant is one plausible wrong implementation of a step of a paper, written as an edit of
-one line of the library (the exact text replaced, which must occur once). For each, a copy of the
-repository's tracked files gets the edit and `pytest -x` runs the policy's
-tests/policies/test_<policy>_paper.py alone on it: killed when the test fails. The run ends with
-one Markdown row per mutant; the exit code is 1 if a mutant survived or an edit no longer applies.
-A mutant may name another test instead (freekv's group-consistent oracle in test_freekv.py).
+the library: the exact text replaced, which must occur once (a tuple of texts and a tuple of
+replacements: several edits of one file, all made). For each, a copy of the repository's tracked
+files gets the edit and `pytest -x` runs the policy's tests/policies/test_<policy>_paper.py alone
+on it: killed when the test fails. The run ends with one Markdown row per mutant; the exit code is
+1 if a mutant survived or an edit no longer applies. A mutant may name another test instead
+(freekv's group-consistent oracle in test_freekv.py).
 """
 from __future__ import annotations
 
@@ -23,10 +24,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-P, K = "minikv/policies", "minikv/kernels"
+P, K, ICE = "minikv/policies", "minikv/kernels", "minikv/policies/icecache"
 ORACLE = "tests/policies/test_freekv.py::test_the_group_consistent_oracle_takes_each_heads_softmax_before_the_mean"
 # policy -> [(the wrong step, file, text, replacement[, the test that judges it: default, the
-# policy's test_<policy>_paper.py])]
+# policy's test_<policy>_paper.py])]; text and replacement may be tuples (several edits)
 MUTANTS = {
     "freekv": [
         ("group mean without the per-head softmax, against the group-consistent oracle",
@@ -96,6 +97,53 @@ MUTANTS = {
          "self.score[:, :n + 1] += w.view(Hkv, -1, n + 1).sum(dim=1)",
          "self.score[:, :n + 1] += w.view(Hkv, -1, n + 1)[:, 0]"),
     ],
+    "icecache": [
+        ("wrong parents: the descent takes the farthest candidate of each node", f"{ICE}/pdci.py",
+         "nxt[who] = children[sim.masked_fill(~cand, -math.inf).argmax(dim=1)]",
+         "nxt[who] = children[sim.masked_fill(~cand, math.inf).argmin(dim=1)]"),
+        ("wrong parents: the exact nearest point one level up (the default's scan), not QUERY's descent",
+         f"{ICE}/pdci.py",
+         "    def _find_parents(self, level: int, keys: torch.Tensor, run: torch.Tensor) -> torch.Tensor:\n"
+         "        return self._greedy_parents(level, keys, run)",
+         "    def _find_parents(self, level: int, keys: torch.Tensor, run: torch.Tensor) -> torch.Tensor:\n"
+         "        return DCIForest._find_parents(self, level, keys, run)"),
+        ("a negated query projection: -U.T_Q(q)", f"{ICE}/pdci.py",
+         "return (q @ self.U[:, :-1].T) / q.norm(dim=-1, keepdim=True).clamp_min(1e-30)",
+         "return -(q @ self.U[:, :-1].T) / q.norm(dim=-1, keepdim=True).clamp_min(1e-30)"),
+        ("T_Q(q) without its division by the norm of q", f"{ICE}/pdci.py",
+         "return (q @ self.U[:, :-1].T) / q.norm(dim=-1, keepdim=True).clamp_min(1e-30)",
+         "return q @ self.U[:, :-1].T"),
+        ("a missing projection: T_K without its last coordinate, sqrt(1 - k.k / c^2)", f"{ICE}/pdci.py",
+         "self.U[:, -1].double() * tail[:, None]", "0 * tail[:, None]"),
+        ("pages not clustered: a build cuts the keys in token order", f"{ICE}/build.py",
+         "        order = by_proj[self.parent[h, by_proj].argsort(stable=True)]  # grouped by parent, then projection\n"
+         "        par = self.parent[h, order]",
+         "        order = torch.arange(n)\n"
+         "        par = torch.zeros(n, dtype=torch.int64)"),
+        ("the union replaced by round-robin first k: each query head K pages, the first K distinct kept",
+         f"{ICE}/policy.py",
+         ("merge=pdci.merge_union if union else search.merge_group,",
+          "k=self.n_select // G if union else self.n_select,"),
+         ("merge=search.merge_group,", "k=self.n_select,")),
+        ("promotion deterministic: the counter (1 in 100, then 1 in 5) under promotion=random", f"{ICE}/policy.py",
+         "shape[\"levels\"] = promotion_levels(self.max_len, self.ratio, promotion_stream(self.seed, index))", "pass"),
+        ("promotion deterministic: every round(1 / r)-th point one level up", f"{ICE}/promotion.py",
+         "        while stream.random() < r:  # while Random(0, 1) < r: promote to the next higher level\n"
+         "            level += 1",
+         "        if (len(levels) + 1) % round(1 / r) == 0:\n"
+         "            level += 1"),
+        ("the P-DCI bounds of the first composite index only", f"{ICE}/pdci.py",
+         "for l in range(forest.L):  # composite l's candidates", "for l in range(1):  # composite l's candidates"),
+        ("the simple indices' bounds aggregated by min, not max (not a lower bound of the distance)", f"{ICE}/pdci.py",
+         "bound = (forest.key_projections(h, ids) - pq).abs().view(-1, forest.L, forest.m).amax(dim=2)",
+         "bound = (forest.key_projections(h, ids) - pq).abs().view(-1, forest.L, forest.m).amin(dim=2)"),
+        ("Algorithm 4's S <- S' replaced by the fov best of the level (the default's descent)", f"{ICE}/pdci.py",
+         "        top = rank_in_node(node, -scores) < k  # each node's k best: S''",
+         "        top = rank_in_node(torch.zeros_like(node), -scores) < k"),
+        ("P takes only the last level's S' (Flag ignored)", f"{ICE}/pdci.py",
+         "        best, best_score = torch.cat((best, ids)), torch.cat((best_score, scores))  # P <- P + S'",
+         "        best, best_score = (ids, scores) if level == 1 else (best, best_score)"),
+    ],
 }
 
 
@@ -110,13 +158,15 @@ def copy_tree(dest: Path) -> None:
             shutil.copy2(src, dest / name)
 
 
-def run_one(work: Path, test: str, file: str, old: str, new: str) -> str:
-    """'killed', 'survived' or 'stale' (the text no longer occurs once in file)."""
+def run_one(work: Path, test: str, file: str, old: str | tuple, new: str | tuple) -> str:
+    """'killed', 'survived' or 'stale' (a text no longer occurs once in file)."""
     target = work / file
-    text = (ROOT / file).read_text()
-    if text.count(old) != 1:
-        return "stale"
-    target.write_text(text.replace(old, new))
+    text = mutated = (ROOT / file).read_text()
+    for o, n in zip(*((old, new) if isinstance(old, tuple) else ((old,), (new,)))):
+        if mutated.count(o) != 1:
+            return "stale"
+        mutated = mutated.replace(o, n)
+    target.write_text(mutated)
     try:
         env = {**os.environ, "PYTHONPATH": str(work), "OMP_NUM_THREADS": "1"}
         r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", test], cwd=work,

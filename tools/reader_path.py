@@ -40,8 +40,8 @@ POLICIES = {
                "minikv/policies/synckv/bank.py", "minikv/policies/pool.py",
                "minikv/kernels/attention_topk/reference.py",
                "minikv/kernels/gathered_attention/reference.py"],
-    "icecache": ["minikv/policies/icecache/tree.py", "minikv/policies/icecache/search.py",
-                 "minikv/policies/icecache/policy.py", *PAGED, "minikv/kernels/paged_attention/reference.py",
+    "icecache": ["minikv/policies/icecache/layer.py", "minikv/policies/icecache/tree.py",
+                 "minikv/policies/icecache/search.py", *PAGED, "minikv/kernels/paged_attention/reference.py",
                  "minikv/kernels/page_layout/reference.py", "minikv/kernels/page_gather/reference.py"],
 }
 

@@ -1,7 +1,7 @@
 """The device page pool the page-based policies share (freekv, icecache), and its slot bookkeeping.
 
 A policy's paged storage is this pool plus the candidate store the policy needs (freekv's host
-pages with their digests, host_pages.py; icecache's semantic pages, icecache/policy.py): the pool
+pages with their digests, host_pages.py; icecache's semantic pages, icecache/layer.py): the pool
 holds what attention reads, the store what it may read later, and `assign_slots` decides which
 slots a recall writes. Copies between the two go through the policy's Tiers (tiers.py), which
 counts them.

@@ -18,11 +18,13 @@ from hypothesis import strategies as st
 
 from minikv.kernels.dci_scores.reference import float_order
 from minikv.policies.icecache import pages_fast, search_fast
-from minikv.policies.icecache.search import (CLOSEST, field_of_view, find_page_index, merge_group, page_select,
+from minikv.policies.icecache.counts import tree_page
+from minikv.policies.icecache.promotion import level_of, levels_of, random_direction
+from minikv.policies.icecache.search import (CLOSEST, field_of_view, find_page_index, merge_group, page_lists,
                                              query, scan_node)
 from minikv.policies.icecache.search_fast import (build_layout, few_float_orders, node_windows, top_keys,
                                                   visited_per_node, window_starts)
-from minikv.policies.icecache.tree import DCIForest, level_of, levels_of, random_direction
+from minikv.policies.icecache.tree import DCIForest
 
 
 def forest_of(keys, P=16, first=100, nxt=5, capacity=None, seed=0):
@@ -216,7 +218,7 @@ def test_fast_page_choice_equals_the_reference(n, fov, prop, batch, k, candidate
     the Triton backend's way), pick exactly search.find_page_index's pages after search.query,
     after the build and after every insert, whether the bound holds or every page is computed,
     with tied scores (duplicate keys) broken to the lower page; and the policy's merge of a
-    group's lists equals search.page_select."""
+    group's lists equals the reference's (search.page_lists, merge_group)."""
     draw, keys, f, heads = drawn_forest(seed, n, ties, policy_heads)
     ps, fs = pages_fast.PageSearch(f), search_fast.FastSearch(f)  # both watch the tree
     f.build(keys[:, :n // 2])
@@ -228,7 +230,7 @@ def test_fast_page_choice_equals_the_reference(n, fov, prop, batch, k, candidate
         assert torch.equal(ps.select_pages(q, heads, k, fov_, prop, batch, candidates), reference)
         assert torch.equal(fs.select_pages(q, heads, k, fov_, prop, batch), reference)
     merged = [merge_group(group, k) for group in ps.select_pages(q, None, k, fov_, prop, batch).tolist()]
-    assert page_select(f, q.reshape(6, 8), k, fov, prop, batch).tolist() == merged
+    assert [merge_group(group, k) for group in page_lists(f, q.reshape(6, 8), k, fov, prop, batch)] == merged
 
 
 @settings(max_examples=20)
@@ -327,7 +329,7 @@ def check_pages(f, keys):
     for h in range(H):
         seen = torch.zeros(n, dtype=torch.int64)
         for p in range(f.n_pages[h]):
-            toks = f.page_tokens(h, p)
+            toks = tree_page(f, h, p)
             assert 1 <= len(toks) <= f.P
             assert len({int(f.parent[h, t]) for t in toks}) == 1, "a page is the children of one parent"
             for s, t in enumerate(toks):
@@ -449,7 +451,7 @@ def test_dci_recall_random_keys():
     pages = ps.select_pages(q[:, :4], heads, 12, f.n, 1.0, CLOSEST)
     for h in range(3):
         for j in range(4):
-            best = torch.stack([(keys[h, f.page_tokens(h, p)] @ q[h, j]).max() for p in range(f.n_pages[h])])
+            best = torch.stack([(keys[h, tree_page(f, h, p)] @ q[h, j]).max() for p in range(f.n_pages[h])])
             assert pages[h, j].tolist() == best.topk(12).indices.tolist()
             assert find_page_index(f, h, query(f, q[h, j], h, f.n, 1.0), 12) == pages[h, j].tolist()
 

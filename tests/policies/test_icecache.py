@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from minikv.config import ModelConfig
 from minikv.models.attention import dense_attention
 from minikv.policies import make
+from minikv.policies.icecache.counts import tree_page
 from minikv.policies.icecache.search import merge_group
 from minikv.policies.tiers import backend_on
 
@@ -26,7 +27,7 @@ def oracle_pages(layer, q, keys, n_tree):
     """The pages an exhaustive search selects, from scratch: per query head, the tree's pages
     ranked by the largest q.k over their keys (the keys the layer holds: tree ids < n_tree),
     the first K; the group's lists interleaved, the first K distinct. -> (Hkv, K), -1 pads."""
-    f, K, G = layer.forest, layer.K, layer.G
+    f, K, G = layer.forest, layer.K, q.shape[1] // layer.forest.H
     P0 = layer.kv.n_sink * layer.kv.P  # tree id t is token P0 + t
     if max(f.n_pages) <= K:
         return torch.tensor([list(range(n)) + [-1] * (K - n) for n in f.n_pages])
@@ -35,7 +36,7 @@ def oracle_pages(layer, q, keys, n_tree):
         h = j // G
         best = []
         for p in range(f.n_pages[h]):
-            toks = [t for t in f.page_tokens(h, p) if t < n_tree]
+            toks = [t for t in tree_page(f, h, p) if t < n_tree]
             best.append(max(float(keys[0, h, P0 + t] @ q[0, j]) for t in toks) if toks else float("-inf"))
         best = torch.tensor(best)
         top = best.topk(min(K, len(best))).indices
@@ -53,7 +54,7 @@ def tokens_read(layer, pages, L, n_cand):
         toks = list(range(min(L, n_sink * P)))
         for p in row:
             if p >= 0:
-                toks += [n_sink * P + t for t in layer.forest.page_tokens(h, p) if t < n_cand * P]
+                toks += [n_sink * P + t for t in tree_page(layer.forest, h, p) if t < n_cand * P]
         toks += range((n_sink + n_cand) * P, L)
         out.append(toks)
     return out
@@ -74,7 +75,7 @@ def check_host_pages(layer, keys, values):
     for h in range(kv.Hkv):
         seen = 0
         for p in range(f.n_pages[h]):
-            toks = [t for t in f.page_tokens(h, p) if t < n_tree]
+            toks = [t for t in tree_page(f, h, p) if t < n_tree]
             assert int(pages.fill[h, p]) == len(toks) <= kv.P
             idx = torch.tensor(toks, dtype=torch.int64) + P0
             assert torch.equal(pages.host[p, h, 0, :len(toks)], keys[0, h, idx])

@@ -14,8 +14,10 @@ import torch
 
 from minikv.policies import make
 from minikv.policies.icecache import search_fast
-from minikv.policies.icecache.search import field_of_view, page_select, query
-from minikv.policies.icecache.tree import DCIForest, level_of, levels_of, random_direction, random_directions
+from minikv.policies.icecache.counts import CountedForest, forest_bytes, tree_page
+from minikv.policies.icecache.promotion import level_of, levels_of, random_direction, random_directions
+from minikv.policies.icecache.search import field_of_view, merge_group, page_lists, query
+from minikv.policies.icecache.tree import DCIForest
 
 from ..fixtures import DEVICE
 from . import test_icecache_paper as paper
@@ -66,7 +68,7 @@ def test_insert_promotes_by_the_counter_and_takes_the_nearest_older_parent():
 @pytest.mark.parametrize("backend", ["reference", "eager"])
 def test_the_policys_field_of_view_reaches_the_search(backend):
     # a field of view of 1 node per level: each layer's select is PAGE-SELECT with that fov (the
-    # reference search.page_select, group-merged), and on this tree it chooses other pages than
+    # reference search.page_lists, group-merged), and on this tree it chooses other pages than
     # the default fov would, so a select that dropped the policy's fov would be seen
     spec = (f"icecache:page_size={paper.P},sink={paper.SINK},window={paper.WINDOW},"
             f"budget={paper.SINK + paper.WINDOW + paper.K * paper.P},skip_layers=0,fov=1,prop=0.25,backend={backend}")
@@ -80,9 +82,10 @@ def test_the_policys_field_of_view_reaches_the_search(backend):
     f, K, differs = layer.forest, layer.K, 0
     for _ in range(8):
         q1 = torch.randn(1, H, D, generator=g)
-        want = page_select(f, q1[0], K, 1, 0.25, policy.batch)
+        want = torch.tensor([merge_group(group, K) for group in page_lists(f, q1[0], K, 1, 0.25, policy.batch)])
         assert [set(row) - {-1} for row in layer.select(q1.to(DEVICE)).tolist()] == [set(row) - {-1} for row in want.tolist()]
-        wide = page_select(f, q1[0], K, field_of_view(f.n), 0.25, policy.batch)
+        wide = torch.tensor([merge_group(group, K) for group in page_lists(f, q1[0], K, field_of_view(f.n), 0.25,
+                                                                            policy.batch)])
         differs += [set(r) for r in want.tolist()] != [set(r) for r in wide.tolist()]
     assert differs  # the field of view changes the choice on this tree
 
@@ -132,7 +135,7 @@ def test_levels_follow_the_forests_counter_and_pages_the_projections():
             children = sorted((t for t in range(n0) if int(f.parent[h, t]) == parent),
                               key=lambda t: (float(f.proj[h, t]), t))
             want |= {tuple(children[i:i + P]) for i in range(0, len(children), P)}
-        assert {tuple(f.page_tokens(h, p)) for p in range(f.n_pages[h])} == want
+        assert {tuple(tree_page(f, h, p)) for p in range(f.n_pages[h])} == want
     for a in range(n0, n, 50):
         f.insert(keys[:, a:a + 50])
     levels = levels_of(torch.arange(n), 7, 2)
@@ -257,6 +260,39 @@ def test_what_the_policy_and_the_tree_refuse():
         f.insert(torch.randn(1, 7, 4))
 
 
+def test_the_reference_search_is_counted_where_it_reads_the_keys():
+    """backend=reference counts its keys scored beside search.py (counts.CountedForest): each
+    query adds every key indexed to `searched` and exactly the keys its dict holds (every key
+    Algorithm 4 scored, Flag = True) to `scored`; the layer's forest is a CountedForest, and a
+    selection through the policy adds as much as the queries run alone."""
+    H, D, n = 2, 8, 700
+    g = torch.Generator().manual_seed(21)
+    keys = torch.randn(H, n, D, generator=g)
+    f = CountedForest(n_heads=H, head_dim=D, page_size=4, capacity=n, u=random_direction(D))
+    f.build(keys[:, :400])
+    f.insert(keys[:, 400:])
+    assert (f.scored, f.searched) == (0, 0)  # building reads no key through the search's accessor
+    sizes = []
+    for j in range(3):
+        scored = query(f, torch.randn(D, generator=g), j % H, fov=3, prop=0.5, batch=4)
+        sizes.append(len(scored))
+    assert f.searched == 3 * n and f.scored == sum(sizes) < 3 * n  # the tree pruned: not every key
+    spec = f"icecache:page_size={paper.P},sink={paper.SINK},window={paper.WINDOW},budget=24,skip_layers=0"
+    policy = make(spec + ",backend=reference,fov=2,prop=0.5").bind(paper.CFG, device=DEVICE, dtype=torch.float32,
+                                                                    max_len=400)
+    layer = policy.layers[0]
+    Hq, Hkv = paper.CFG.n_heads, paper.CFG.n_kv_heads
+    layer.prefill(*(torch.randn(1, h, 390, paper.CFG.head_dim, generator=g).to(DEVICE) for h in (Hq, Hkv, Hkv)), None)
+    tree = layer.forest
+    assert type(tree) is CountedForest and max(tree.n_pages) > layer.K
+    q = torch.randn(1, Hq, paper.CFG.head_dim, generator=g)
+    G = Hq // Hkv
+    alone = sum(len(query(tree, q[0, j], j // G, 2, 0.5, policy.batch)) for j in range(Hq))
+    before = tree.scored
+    layer.select(q.to(DEVICE))
+    assert tree.scored - before == alone and tree.searched == 2 * Hq * tree.n
+
+
 def test_stats_count_recalls_per_decode_step_keys_scored_and_page_fill():
     """The stats after the prefill (no decode step yet: no page recalled per step) and after
     decode steps: pages recalled per decode step, the share of the tree's keys the searches scored
@@ -280,7 +316,7 @@ def test_stats_count_recalls_per_decode_step_keys_scored_and_page_fill():
     assert s["pages_recalled"] == layer.kv.pages_recalled > 0
     assert s["pages_recalled_per_step"] == pytest.approx(layer.kv.pages_recalled / steps)
     assert s["keys_scored_fraction"] == 1.0
-    fills = [len(f.page_tokens(h, p)) for h in range(f.H) for p in range(f.n_pages[h])]
+    fills = [len(tree_page(f, h, p)) for h in range(f.H) for p in range(f.n_pages[h])]
     assert s["mean_page_fill"] == pytest.approx(sum(fills) / (len(fills) * paper.P))
 
 
@@ -301,9 +337,9 @@ def test_the_host_bytes_count_the_tree_once_and_every_tensor_of_it():
     f = anchor.forest
     assert reuse.forest is f and sum(w.nbytes() for w in f.watchers) > 0
     tensors = [t for name, t in vars(f).items() if isinstance(t, torch.Tensor) and name != "u"]
-    assert f.nbytes() == sum(t.numel() * t.element_size() for t in tensors) + sum(w.nbytes() for w in f.watchers)
+    assert forest_bytes(f) == sum(t.numel() * t.element_size() for t in tensors) + sum(w.nbytes() for w in f.watchers)
     (dev_a, host_a), (dev_r, host_r) = anchor.aux_bytes(), reuse.aux_bytes()
-    assert dev_a == dev_r and host_a - host_r == f.nbytes()
+    assert dev_a == dev_r and host_a - host_r == forest_bytes(f)
     pages = anchor.kv.candidates
     assert pages.aux_bytes() == (0, pages.fill.numel() * pages.fill.element_size())
     assert anchor.allocated_host_tokens() * policy.token_bytes() == pages.host.numel() * pages.host.element_size()

@@ -45,6 +45,7 @@ import torch
 
 from minikv.config import ModelConfig
 from minikv.policies import make
+from minikv.policies.icecache.counts import tree_page
 
 from ..fixtures import DEVICE
 
@@ -287,7 +288,7 @@ def library_tree(forest, h):
     """The library's tree of head h: (levels, parents with the root as ROOT, pages as token sets)."""
     n = forest.n
     parents = [ROOT if p < 0 else p for p in forest.parent[h, :n].tolist()]
-    pages = {frozenset(forest.page_tokens(h, c)) for c in range(forest.n_pages[h])}
+    pages = {frozenset(tree_page(forest, h, c)) for c in range(forest.n_pages[h])}
     return forest.level[:n].tolist(), parents, pages
 
 

@@ -20,8 +20,9 @@ import sys
 import torch
 
 from ...policies import make
+from ...policies.icecache.promotion import random_direction
 from ...policies.icecache.search_fast import FastSearch, top_keys
-from ...policies.icecache.tree import DCIForest, random_direction
+from ...policies.icecache.tree import DCIForest
 from ..common import add_common_arguments, load_model, print_table, text_ids, write_json
 
 

@@ -59,24 +59,17 @@ class PageSearch(FastSearch):
         super().__init__(forest, "eager")
         keys = forest.slot_keys  # (H, rows, D)
         forest.slot_keys = keys.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, rows' D apart
-        self._searches: dict[tuple, tuple[list[LevelLayout], SlotMap]] = {}  # (prop, fov, batch) -> kept
+        self._searches: dict[tuple, tuple[list[LevelLayout], SlotMap, int]] = {}  # (prop, fov, batch) -> kept, n
         self.exhaustive_choices = 0  # times select_pages's candidate bound failed
 
-    def joined(self, level, run):
-        super().joined(level, run)
-        self._searches = {}
-
-    def changed(self):
-        super().changed()
-        self._searches = {}
-
     def search_layouts(self, prop: float, fov: int, batch: int) -> tuple[list[LevelLayout], SlotMap]:
-        """The layouts of levels top .. 1 and the rows' SlotMap, kept as the layouts are."""
+        """The layouts of levels top .. 1 and the rows' SlotMap, kept while the tree holds as
+        many points (every change of the tree inserts some)."""
         kept = self._searches.get((prop, fov, batch))
-        if kept is None:
+        if kept is None or kept[2] != self.forest.n:
             layouts = self.layouts(prop, fov, batch)
-            kept = self._searches[(prop, fov, batch)] = layouts, build_slot_map(self.forest, layouts)
-        return kept
+            kept = self._searches[(prop, fov, batch)] = layouts, build_slot_map(self.forest, layouts), self.forest.n
+        return kept[:2]
 
     def prepare(self, prop, fov, batch):
         self.search_layouts(prop, fov, batch)
@@ -85,7 +78,8 @@ class PageSearch(FastSearch):
         return select_pages(self, q, heads, k, fov, prop, batch, candidates)
 
     def nbytes(self) -> int:
-        return super().nbytes() + sum(t.numel() * t.element_size() for _, sm in self._searches.values() for t in sm[:-1])
+        kept = [t for _, sm, _ in self._searches.values() for t in sm[:-1]]
+        return super().nbytes() + sum(t.numel() * t.element_size() for t in kept)
 
 
 def fast_search(forest, backend: str) -> FastSearch:

@@ -1,11 +1,13 @@
-"""icecache:paper's search: several P-DCI indices per tree and Algorithm 4's descent as written.
+"""icecache:paper's search: several P-DCI indices per tree, Algorithm 4's descent as written, and
+the union of a GQA group's pages.
 
 Mao, Wang, Ester, Li, "IceCache: Memory-Efficient KV-Cache Management for Long-Sequence LLMs",
 ICLR 2026 submission, arXiv:2604.10539, https://arxiv.org/abs/2604.10539 (Sec. 3.3, App. B).
 P-DCI: Li and Malik, "Fast k-Nearest Neighbour Search via Prioritized DCI", ICML 2017,
 https://arxiv.org/abs/1703.00440 (Algorithm 2 there, the query).
 
-`descent=greedy` (icecache:paper) runs this module instead of search.py and its batched forms:
+`descent=greedy` (icecache:paper) runs this module instead of search.py and its batched forms
+(`gqa=union` its merge_union instead of search.merge_group):
 
   P-DCI on one node         candidates() (the parents' queries; query() applies it to every
                             opened node at once): L composite indices of m simple indices each, each simple
@@ -25,6 +27,8 @@ https://arxiv.org/abs/1703.00440 (Algorithm 2 there, the query).
                             1 line 34, Alg. 2), k = 1, a greedy path from the root down to the
                             level above the point.
   FIND-PAGE-INDEX           search.find_page_index over P's keys
+  GQA (Sec. 4.2)            merge_union(): "the union of the selected pages across queries within
+                            the same group" (gqa=union, which icecache:paper selects with either descent)
 
 Decisions (docs/design.md, "The paper as a preset"): the directions are drawn once and shared by
 all layers and heads (the first is the default's u); the parent is looked for one level above the
@@ -56,9 +60,6 @@ class PDCIForest(DCIForest):
         a, m = self.n, keys.shape[1]
         super()._store(keys)
         self.uk_all[:, a:a + m] = keys.float() @ self.U[:, :-1].T
-
-    def nbytes(self) -> int:
-        return super().nbytes() + self.uk_all.numel() * self.uk_all.element_size()
 
     def key_projections(self, h: int, ids: torch.Tensor) -> torch.Tensor:
         """U.T_K(k) (n, L m) of head h's points ids (n,) at the current c (Eq. 2)."""
@@ -200,3 +201,13 @@ def page_lists(forest: PDCIForest, q: torch.Tensor, k: int, fov: int | None, pro
     G = q.shape[0] // forest.H
     return [[find_page_index(forest, h, query(forest, q[h * G + g], h, fov, prop), k) for g in range(G)]
             for h in range(forest.H)]
+
+
+def merge_union(lists: list[list[int]], k: int) -> list[int]:
+    """GQA as the paper writes it (Sec. 4.2): "the union of the selected pages across queries
+    within the same group", in order of first appearance (query head 0's pages, then each next
+    head's new ones), -1 padded to k slots; the caller gives each head few enough pages to fit."""
+    union = list(dict.fromkeys(page for pages in lists for page in pages if page >= 0))
+    if len(union) > k:
+        raise ValueError(f"the union of the group's pages holds {len(union)}, more than its {k} slots")
+    return union + [-1] * (k - len(union))

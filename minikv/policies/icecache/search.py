@@ -3,12 +3,10 @@
 Mao, Wang, Ester, Li, "IceCache: Memory-Efficient KV-Cache Management for Long-Sequence LLMs",
 ICLR 2026 submission, arXiv:2604.10539, https://arxiv.org/abs/2604.10539 (Appendix B.2).
 
-This is the authors' search (M-DCI), the default's, in the form to read;
-`icecache:backend=reference` runs it. Algorithm 4 as the paper writes it, over several P-DCI
-indices, is pdci.py (`descent=greedy`, which `icecache:paper` selects). The default backends run
-the same search batched over heads, queries and nodes (search_fast.py, pages_fast.py);
-tests/policies/test_dci.py checks that they score the same keys and choose the same pages as these
-loops.
+The authors' search (M-DCI), the default's, as `icecache:backend=reference` runs it; the default
+backends run it batched (search_fast.py, pages_fast.py; tests/policies/test_dci.py holds them to
+these loops: the same keys scored, the same pages). Algorithm 4 as the paper writes it, over
+several P-DCI indices, is pdci.py (`descent=greedy`, which `icecache:paper` selects).
 
   Algorithm 4, QUERY          query(): from the top level down, scan every node opened on the
                               level above, score the scanned keys exactly (q.k), open the nodes of
@@ -18,9 +16,10 @@ loops.
                               projection, `batch` projections at a time, until max(fov, ceil(prop
                               size)) children are scanned (the 80% stop); a node the field of view
                               covers is read whole
-  Algorithm 3, PAGE-SELECT    page_select(): QUERY, then FIND-PAGE-INDEX (find_page_index)
+  Algorithm 3, PAGE-SELECT    page_lists(): QUERY, then FIND-PAGE-INDEX (find_page_index), per
+                              query head
   GQA (Sec. 4.2)              merge_group(): the group's page lists round-robin, first k distinct
-                              (the authors' code); merge_union(): the paper's union (gqa=union)
+                              (the authors' code); the paper's union (gqa=union): pdci.merge_union
 
 Decisions (docs/design.md, "icecache"; the authors' M-DCI where the paper is silent): field of
 view max(30, 0.0015 n); batches of CLOSEST = 128 projections; pages in order of their best scored
@@ -83,8 +82,6 @@ def query(tree, q: torch.Tensor, h: int, fov: int | None = None, prop: float = 0
         scored.update(zip(on_level, scores))
         best = sorted(range(len(on_level)), key=lambda i: -scores[i])[:fov]  # stable: ties to the earlier
         opened = [on_level[i] for i in best]  # their children are scanned on the level below
-    tree.scored += len(scored)
-    tree.searched += tree.n
     return scored
 
 
@@ -107,16 +104,6 @@ def merge_group(lists: list[list[int]], k: int) -> list[int]:
     return merged + [-1] * (k - len(merged))
 
 
-def merge_union(lists: list[list[int]], k: int) -> list[int]:
-    """GQA as the paper writes it (Sec. 4.2): "the union of the selected pages across queries
-    within the same group", in order of first appearance (query head 0's pages, then each next
-    head's new ones), -1 padded to k slots; the caller gives each head few enough pages to fit."""
-    union = list(dict.fromkeys(page for pages in lists for page in pages if page >= 0))
-    if len(union) > k:
-        raise ValueError(f"the union of the group's pages holds {len(union)}, more than its {k} slots")
-    return union + [-1] * (k - len(union))
-
-
 def page_lists(tree, q: torch.Tensor, k: int, fov: int | None = None, prop: float = 0.8,
                batch: int = CLOSEST) -> list[list[list[int]]]:
     """Algorithm 3 for each query head: q (Hq, D), query head j searching KV head j // G -> per KV
@@ -124,11 +111,3 @@ def page_lists(tree, q: torch.Tensor, k: int, fov: int | None = None, prop: floa
     G = q.shape[0] // tree.H
     return [[find_page_index(tree, h, query(tree, q[h * G + g], h, fov, prop, batch), k) for g in range(G)]
             for h in range(tree.H)]
-
-
-def page_select(tree, q: torch.Tensor, k: int, fov: int | None = None, prop: float = 0.8,
-                batch: int = CLOSEST) -> torch.Tensor:
-    """Algorithm 3 for each query head, merged per GQA group round-robin: q (Hq, D) -> (H, k)
-    page ids per KV head, -1 pads."""
-    merged = [merge_group(lists, k) for lists in page_lists(tree, q, k, fov, prop, batch)]
-    return torch.tensor(merged, dtype=torch.int64).view(tree.H, k)

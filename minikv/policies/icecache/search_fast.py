@@ -19,8 +19,8 @@ keys (tests/policies/test_dci.py):
 How the visited keys are scored is the caller's: here the union of a block's visited keys is
 gathered and scored by kernels/dci_scores (the Triton backend's way; each key read once per
 block); pages_fast.py (the eager default on a CPU) multiplies by every key row at once instead.
-FastSearch holds what these forms keep beside a tree (the layouts); the tree (tree.py) tells it
-of each insertion and knows nothing else of it.
+FastSearch holds what these forms keep beside a tree (the layouts), and reads off the tree when
+they are stale; the tree (tree.py) knows nothing of it but that it is told of a build.
 """
 from __future__ import annotations
 
@@ -58,37 +58,40 @@ class LevelLayout(NamedTuple):
 
 class FastSearch:
     """The batched search beside one DCIForest: per level and search parameters the part that
-    does not depend on the query (a LevelLayout), kept until the tree changes. The tree tells
-    it (DCIForest.watchers): points that joined a level are merged into the kept order later
-    (`joined`); a growth of c or a new top level changes every projection or the top's parent,
-    and everything is built again (`changed`). backend: kernels/dci_scores' backend for the
-    gathered keys."""
+    does not depend on the query (a LevelLayout), kept until the tree changes, which it reads off
+    the tree (`fresh`): a growth of c or a new top level changes every projection or the top's
+    parents, and everything is built again; points that joined a level since (the tail of its
+    list) are merged into the kept order. After a build (DCIForest.watchers) the search named by
+    `params` is prepared (`built`). backend: kernels/dci_scores' backend for the gathered keys."""
 
     def __init__(self, forest, backend: str = "eager"):
         self.forest, self.backend = forest, backend
         self._layouts: dict[tuple, LevelLayout] = {}  # (level, prop, fov, batch) -> its layout
-        self._joined: dict[tuple, list[torch.Tensor]] = {}  # layout key -> runs that joined its level since
+        self._seen = None  # (c, top) of the tree the kept layouts were built on
+        self.params = None  # (prop, fov or None, batch): the search to prepare once the tree is built
         forest.watchers.append(self)
 
-    def joined(self, level: int, run: torch.Tensor) -> None:
-        """The points run (r,) joined `level` and nothing else changed."""
-        for key in self._layouts:
-            if key[0] == level:
-                self._joined.setdefault(key, []).append(run)
+    def built(self) -> None:
+        """The tree was built (build.py, at prefill): what the next search needs is built now."""
+        if self.params is not None:
+            prop, fov, batch = self.params
+            self.prepare(prop, field_of_view(self.forest.n) if fov is None else fov, batch)
 
-    def changed(self) -> None:
-        """Projections or parents changed: every layout is built again, from scratch."""
-        self._layouts, self._joined = {}, {}
+    def fresh(self) -> None:
+        """Drop every kept layout if c grew or a level opened since they were built."""
+        seen = (self.forest.c.clone(), self.forest.top)
+        if self._seen is None or seen[1] != self._seen[1] or not torch.equal(seen[0], self._seen[0]):
+            self._layouts, self._seen = {}, seen
 
     def layout(self, level: int, prop: float, fov: int, batch: int) -> LevelLayout:
         """build_layout's result, kept; after points joined the level and nothing else changed,
         they are merged into the kept one's order."""
+        self.fresh()
         key = (level, prop, fov, batch)
-        lay = self._layouts.get(key)
-        joined = self._joined.pop(key, None)
-        if lay is None or joined:
+        lay, ids = self._layouts.get(key), self.forest.level_ids(level)
+        if lay is None or ids.numel() > lay.order.shape[1]:  # new, or points joined the level since
             lay = self._layouts[key] = build_layout(self.forest, level, prop, fov, batch, lay,
-                                                    torch.cat(joined) if joined else None)
+                                                    None if lay is None else ids[lay.order.shape[1]:])
         return lay
 
     def layouts(self, prop: float, fov: int, batch: int) -> list[LevelLayout]:
