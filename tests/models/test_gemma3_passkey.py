@@ -25,10 +25,22 @@ from ..fixtures import DEVICE
 LENGTH = 8000
 DEPTHS = (0.1, 0.5, 0.9)
 NEW_TOKENS = 8
-# SyncKV looks its head clustering up by the config it is bound to, which on a hybrid model is the
-# global layers' (3 layers), never the model's that `bench cluster-heads` writes: it refuses to bind
-SYNCKV_CLUSTERING = pytest.mark.xfail(strict=True, raises=ValueError,
-                                      reason="synckv finds no head clustering for the global layers' config")
+# Where a default misses by its own rule (measured at 1,200 and 4,096 tokens, docs/gemma3.md), or
+# cannot bind on a hybrid model: strict, so that a change either way shows
+XFAIL = {
+    # SyncKV looks its head clustering up by the config it is bound to, which on a hybrid model is
+    # the global layers' (3 layers), never the model's that `bench cluster-heads` writes
+    "synckv": pytest.mark.xfail(strict=True, raises=ValueError,
+                                reason="synckv finds no head clustering for the global layers' config"),
+    # StreamingLLM keeps the first 4 and the last 2,044 tokens: a key at depth 0.1 or 0.5 of 8k is
+    # outside its window by construction
+    "streaming": pytest.mark.xfail(strict=True, raises=AssertionError,
+                                   reason="the key lies outside streaming's 2,044-token window"),
+    # H2O at 256 evicts during the prefill the tokens whose accumulated attention is lowest, the key
+    # among them, before the question that asks for it arrives
+    "h2o": pytest.mark.xfail(strict=True, raises=AssertionError,
+                             reason="h2o evicts the key during the prefill (0 of 4 where full KV found it at 1.2k and 4k)"),
+}
 
 
 def _have_extra() -> bool:
@@ -85,8 +97,7 @@ def test_full_kv_is_the_ring_only_baseline_and_finds_the_key(trials):
 
 @needs_gemma
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(n, marks=SYNCKV_CLUSTERING) if n == "synckv" else n
-                                  for n in available() if n != "full"])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=XFAIL.get(n, ())) for n in available() if n != "full"])
 def test_every_default_finds_the_key_where_full_kv_does(trials, name, record_property):
     _, found, refused = trials
     if name in refused:
