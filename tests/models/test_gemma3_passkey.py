@@ -39,7 +39,7 @@ XFAIL = {
     # H2O at 256 evicts during the prefill the tokens whose accumulated attention is lowest, the key
     # among them, before the question that asks for it arrives
     "h2o": pytest.mark.xfail(strict=True, raises=AssertionError,
-                             reason="h2o evicts the key during the prefill (0 of 4 where full KV found it at 1.2k and 4k)"),
+                             reason="h2o evicts the key in the prefill (0 of 5 where full KV found it, 1.2k and 4k)"),
 }
 
 
