@@ -9,7 +9,9 @@ listed below, and reads each whole; a file counts every line it has (blank lines
 docstrings included, as `wc -l` counts), once, however many calls lead into it. A kernel counts
 by its readable form (kernels/<op>/reference.py); the fast forms (`*_fast.py`, kernels' fused.py,
 the dispatch in kernels' __init__.py), the model's config and rotary tables, validation and
-statistics modules are off the path: a reader can skip them on a first reading. SHARED is what
+statistics modules are off the path: a reader can skip them on a first reading. So is what a
+decode step does not run: work done once at bind (a policy's parameters and construction, synckv's
+clustering read from its file) or at prefill (icecache's Algorithm 2 build, a paged store's prompt). SHARED is what
 every policy's step goes through; each policy's list is what its own step adds. The lists follow
 the layout: a change that moves a step to another file changes them with it.
 """
