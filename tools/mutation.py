@@ -46,7 +46,7 @@ SCOPES = {
     "streaming": ([f"{POL}/streaming.py"], [f"{T}/test_streaming.py", *NOT_MODELS]),
     "h2o": ([f"{POL}/h2o.py"], [f"{T}/test_h2o.py"]),
     # one_pass: the fast layer's score against the reference's (layer_fast, not mutated here)
-    "softfreeze": ([f"{POL}/softfreeze/schedule.py", f"{POL}/softfreeze/policy.py"],
+    "softfreeze": ([f"{POL}/softfreeze/{m}.py" for m in ("schedule", "policy", "accounting")],
                    [f"{T}/test_softfreeze_schedule.py", f"{T}/test_softfreeze_paper.py", f"{T}/test_softfreeze_kills.py",
                     "-k", "not one_pass"]),
     "freekv": ([f"{POL}/freekv.py", f"{POL}/freekv_policy.py", f"{POL}/freekv_counts.py", f"{POL}/paged_checks.py"],
@@ -65,8 +65,8 @@ SCOPES = {
     # worker thread, full KV; judged by the contract matrix, the spec, worker, recall-order, paged
     # store, tiers, accounting and plugin tests, two policies' kill tests (their bytes and dtypes),
     # --help and a ragged batch
-    "shared": ([f"{POL}/{m}.py" for m in ("contract", "registry", "stats", "params", "tiers", "pool", "pool_fast", "worker",
-                                          "overlap", "full")],
+    "shared": ([f"{POL}/{m}.py" for m in ("contract", "checks", "registry", "stats", "params", "tiers", "pool",
+                                          "pool_fast", "worker", "overlap", "full")],
                [f"{T}/test_contract.py", f"{T}/test_spec.py", f"{T}/test_worker.py", f"{T}/test_recall_order.py",
                 f"{T}/test_paged.py", f"{T}/test_tiers.py", f"{T}/test_accounting.py", f"{T}/test_freekv_kills.py",
                 f"{T}/test_icecache_kills.py", "tests/test_plugins.py", *HELP, *RAGGED, *NOT_MODELS]),

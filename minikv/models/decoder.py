@@ -2,11 +2,8 @@
 
 Families differ inside a block (llama.py, gpt_neox.py, gemma3.py) and in their weight names; the
 loop over layers, the positions, the policy hand-off and which logits get computed are the same.
-
-RoPE tables: a global layer rotates q and k where the policy says (`policy.rope_positions`:
-streaming renumbers); a layer whose sliding window the runtime keeps (`policy.keeps_window(i)`,
-policies/window.py) at the tokens' absolute positions, with the local RoPE base where the model
-has one (Gemma 3). Most models need one table for every layer.
+Where each layer rotates q and k (the policy's positions, a kept window's absolute ones, Gemma 3's
+local base) is rope.LayerRope's.
 """
 from __future__ import annotations
 
@@ -14,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from ..config import ModelConfig
-from .rope import RotaryEmbedding
+from .rope import LayerRope
 
 
 def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
@@ -35,10 +32,7 @@ class DecoderLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
-        # Gemma 3's local layers rotate with their own base, unscaled
-        self.rope_local = (RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope_local_theta)
-                           if cfg.rope_local_theta is not None else None)
+        self.rope = LayerRope(cfg)  # each layer's (cos, sin) for a forward's positions
 
     @property
     def device(self) -> torch.device:
@@ -66,7 +60,7 @@ class DecoderLM(nn.Module):
             raise ValueError(f"a decode step takes one token per sequence, got {T}")
         if not decoding or input_ids.device.type == "cpu":  # on CUDA a decode step would wait for the check
             check_token_ids(input_ids, self.cfg.vocab_size)
-        rope = self.rope_tables(positions, policy)
+        rope = self.rope.tables(positions, policy)  # one (cos, sin), or one per layer
         x = self.embed(input_ids)  # (B, T, C)
         x = self.run_blocks(x, positions, rope, policy, decoding, progress)
         if logits_at is not None:
@@ -78,36 +72,11 @@ class DecoderLM(nn.Module):
             policy.end_step(logits if logits.dim() == 2 else logits[:, -1])
         return logits
 
-    def rope_tables(self, positions, policy=None):
-        """positions (B, T) absolute -> one (cos, sin) pair, each (B, 1, T, rotary_dim), when every
-        layer rotates alike, else a list of one pair per layer (shared where equal).
-
-        Global layers rotate at the positions the policy chooses (streaming: cache positions, so
-        q and k are rotated once, where they will be read); a layer whose window the runtime
-        keeps, at the absolute positions, with the local base where the model has one. Padding
-        (-1) is never attended: any angle will do."""
-        rope_positions = policy.rope_positions(positions) if policy is not None else positions
-        tables = {}
-
-        def table(local_base: bool, absolute: bool):
-            if (local_base, absolute) not in tables:
-                rope = self.rope_local if local_base else self.rope
-                cos, sin = rope.cos_sin((positions if absolute else rope_positions).clamp(min=0))  # (B, T, R)
-                tables[local_base, absolute] = (cos[:, None], sin[:, None])  # broadcast over heads
-            return tables[local_base, absolute]
-
-        per_layer = []
-        for i in range(self.cfg.n_layers):
-            local = self.cfg.layer_window(i) is not None
-            absolute = policy is None or rope_positions is positions or policy.keeps_window(i)
-            per_layer.append(table(local and self.rope_local is not None, absolute))
-        return per_layer[0] if len(tables) == 1 else per_layer
-
     # The blocks and the output head are methods of their own so that minikv.fast can replace
     # them from outside on a model whose decode steps run compiled (fast/compiled.py).
     def run_blocks(self, x, positions, rope, policy=None, decoding=False, progress=None):
         """x (B, T, C) -> (B, T, C) through every block, each attending through its policy layer.
-        rope: one (cos, sin) for every layer, or one per layer (rope_tables)."""
+        rope: one (cos, sin) for every layer, or one per layer (LayerRope.tables)."""
         for i, block in enumerate(self.blocks):
             layer_kv = policy.layer(i) if policy is not None else None
             x = block(x, positions, rope[i] if isinstance(rope, list) else rope, layer_kv, decoding)

@@ -11,7 +11,7 @@ What differs from llama.py, each a line of transformers' Gemma3TextModel:
   the model's scale (for Gemma-3-270M the factor is 1);
 - the MLP is gated GELU (tanh approximation), the output head tied to the embedding;
 - `layer_types` makes some layers local (a sliding window, RoPE base `rope_local_theta`) and
-  the others global (RoPE base `rope_theta`): DecoderLM.rope_tables gives each its table.
+  the others global (RoPE base `rope_theta`): rope.LayerRope gives each its table.
 """
 from __future__ import annotations
 

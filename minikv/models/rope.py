@@ -1,4 +1,5 @@
-"""Rotary position embeddings (RoPE): frequencies, scaling, partial rotary, delta rotation.
+"""Rotary position embeddings (RoPE): frequencies, scaling, partial rotary, delta rotation, and
+the tables each layer of a model rotates with in one forward (LayerRope).
 
 Convention: the "rotate half" layout of Hugging Face Llama / GPT-NeoX. The first `rotary_dim`
 channels of a head are split into two halves (x1, x2); channel i of x1 pairs with channel i of x2
@@ -80,6 +81,43 @@ class RotaryEmbedding:
         # x (B, H, T, D), positions (B, T) -> RoPE(x, positions), same dtype as x
         cos, sin = self.cos_sin(positions)  # (B, T, rotary_dim)
         return apply_rotary(x, cos[:, None], sin[:, None])
+
+
+class LayerRope:
+    """The (cos, sin) tables a model's forward rotates each layer's q and k with (DecoderLM).
+
+    Global layers rotate at the positions the policy chooses (`policy.rope_positions`: streaming
+    renumbers to cache positions, so q and k are rotated once, where they will be read); a layer
+    whose sliding window the runtime keeps (`policy.keeps_window(i)`, policies/window.py) at the
+    tokens' absolute positions, with the local RoPE base where the model has one (Gemma 3's
+    local layers, unscaled). Most models need one table for every layer."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.local = (RotaryEmbedding(cfg.head_dim, cfg.rotary_dim, cfg.rope_local_theta)
+                      if cfg.rope_local_theta is not None else None)
+
+    def tables(self, positions: torch.Tensor, policy=None):
+        """positions (B, T) absolute -> one (cos, sin) pair, each (B, 1, T, rotary_dim), when every
+        layer rotates alike, else a list of one pair per layer (shared where equal). Padding (-1)
+        is never attended: any angle will do."""
+        rope_positions = policy.rope_positions(positions) if policy is not None else positions
+        tables = {}
+
+        def table(local_base: bool, absolute: bool):
+            if (local_base, absolute) not in tables:
+                rope = self.local if local_base else self.rope
+                cos, sin = rope.cos_sin((positions if absolute else rope_positions).clamp(min=0))  # (B, T, R)
+                tables[local_base, absolute] = (cos[:, None], sin[:, None])  # broadcast over heads
+            return tables[local_base, absolute]
+
+        per_layer = []
+        for i in range(self.cfg.n_layers):
+            local = self.cfg.layer_window(i) is not None
+            absolute = policy is None or rope_positions is positions or policy.keeps_window(i)
+            per_layer.append(table(local and self.local is not None, absolute))
+        return per_layer[0] if len(tables) == 1 else per_layer
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

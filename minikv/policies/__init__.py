@@ -1,9 +1,10 @@
 """KV-cache policies, each a module or a package named after it (full.py, streaming.py, freekv.py,
 h2o.py; softfreeze/, icecache/, synckv/, where the readable form and its fast forms are separate
 files), on the shared parts: contract.py (Policy, LayerKV: what a policy implements), registry.py
-(register, make: spec strings), stats.py (the tier accounting), params.py (declared parameters),
-tiers.py (the counted copies between tiers), paged.py and pool.py (paged storage). `make(spec)`
-builds one from a spec string such as "streaming:sink=4,window=252"; `available()` lists the names."""
+(register, make: spec strings), stats.py (the tier accounting), checks.py (what is checked of a
+policy), params.py (declared parameters), tiers.py (the counted copies between tiers), paged.py
+and pool.py (paged storage). `make(spec)` builds one from a spec string such as
+"streaming:sink=4,window=252"; `available()` lists the names."""
 from .contract import LayerKV, Policy, StepAction
 from .registry import available, make, register, register_policy
 from .params import param

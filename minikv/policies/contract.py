@@ -23,10 +23,10 @@ On a model with sliding-window layers (Gemma 3's local layers; a Mistral's, ever
 window is shorter than max_len, the runtime keeps those layers' windows itself (window.py) and
 the policy is bound to the global layers alone: `layer(i)` maps the model's layer index.
 
-Tiers: `device` is where attention runs (the model's device); `host` is CPU memory, pinned when
-CUDA is present. On a CPU-only machine both are CPU memory: the copies still happen and the
-accounting is real, but nothing is saved. Every copy between the tiers goes through the policy's
-`Tiers` (tiers.py), which counts the bytes moved.
+Every copy between the tiers (device: where attention runs; host: CPU memory) goes through the
+policy's `Tiers` (tiers.py). What a decode step does not run, the classes inherit: the accounting
+(stats.py: `stats()`, each layer's tokens and bytes per tier) and the checks (checks.py: of the
+parameters, of bind's request, and what the contract matrix reads of a policy).
 """
 from __future__ import annotations
 
@@ -37,12 +37,12 @@ from typing import ClassVar
 import torch
 
 from ..config import ModelConfig
-from ..kernels import check_backend
 from ..models.attention import dense_attention  # noqa: F401  (re-exported: the attention `out` must equal)
 from ..models.rope import RotaryEmbedding
+from .checks import LayerChecks, PolicyChecks
 from .overlap import make_layers
-from .params import PRESETS, apply_preset, check_fields, param, preset_conflicts
-from .stats import TierStats
+from .params import PRESETS, param
+from .stats import LayerStats, TierStats
 from .tiers import Tiers
 
 
@@ -58,8 +58,10 @@ class StepAction:
     rewind: int = 0
 
 
-class LayerKV(ABC):
-    """The KV state of one layer under one policy."""
+class LayerKV(LayerStats, LayerChecks, ABC):
+    """The KV state of one layer under one policy: what it keeps of the prompt, what attention
+    reads at each decode step, and how many tokens per KV head that is (device_tokens). What else
+    it holds per tier is LayerStats's (stats.py), what check_policy reads of it LayerChecks's."""
 
     def __init__(self, policy: "Policy", index: int):
         self.policy = policy
@@ -76,67 +78,21 @@ class LayerKV(ABC):
     def device_tokens(self) -> int:
         """Tokens per KV head that attention reads on the device tier (mean over batch rows)."""
 
-    def host_tokens(self) -> int:
-        """Tokens per KV head held on the host tier."""
-        return 0
-
-    def allocated_device_tokens(self) -> int:
-        """Token slots reserved on the device tier (preallocation counts)."""
-        return self.device_tokens()
-
-    def allocated_host_tokens(self) -> int:
-        """Token slots reserved on the host tier (a preallocated host buffer counts in full)."""
-        return self.host_tokens()
-
-    def aux_bytes(self) -> tuple[int, int]:
-        """(device, host) bytes this layer holds besides K and V slots: digests, trees, index
-        tensors, staging buffers. Counted in the allocated figures of `Policy.stats`."""
-        return 0, 0
-
-    def attended_indices(self) -> torch.Tensor | None:
-        """(Hkv, n) int64: the absolute indices of the tokens the last decode step's attention
-        read, per KV head, -1 as padding; None when the layer reads every token. What attention
-        recall (the share of full attention's mass a policy keeps) is measured against."""
-        return None
-
-    def budget_heads(self) -> range | list[int]:
-        """The KV heads whose reads the policy's budget bounds (synckv: not its representative
-        heads, which keep full KV). check_policy holds these to the declared small budget."""
-        return range(self.cfg.n_kv_heads)
-
 
 @dataclass(eq=False, kw_only=True)
-class Policy(TierStats, ABC):
+class Policy(PolicyChecks, TierStats, ABC):
     """Base of all policies. A policy is a dataclass (as kvpress's presses are): its parameters
     are fields declared with `param` (default, bounds, one-line meaning), from which `make`'s
-    parser, the checks below and `--help` all derive. A subclass sets `name`, declares its
+    parser, the checks (checks.py) and `--help` all derive. A subclass sets `name`, declares its
     fields, checks what its bounds cannot say (relations between parameters) in `__post_init__`
-    after `super().__post_init__()`, and implements `make_layer`."""
+    after `super().__post_init__()`, and implements `make_layer`. What check_policy reads of it
+    (covering_spec, small_spec, ...) it declares as checks.PolicyChecks lists."""
 
     name: ClassVar[str] = ""
     max_batch: ClassVar[int | None] = 1  # most policies follow one sequence; `full` takes any batch
     # the kernel operations (minikv/kernels/<op>) the policy runs with its backend: they decide
     # which backends it implements (kernels.policy_backends; none: reference and eager only)
     kernels: ClassVar[tuple[str, ...]] = ()
-
-    # -- What check_policy reads (minikv.testing, the contract matrix): declared by each policy --
-    # covering_spec: a spec whose budget covers any context of the tiny models (120 tokens), with
-    #   small pages where it pages, so that KV really moves: it must give full KV's logits
-    covering_spec: ClassVar[str | None] = None
-    # small_spec, small_budget: a spec well below that context, and the most tokens per KV head
-    #   (of budget_heads) any decode step's attention may read under it (None: no budget)
-    small_spec: ClassVar[str | None] = None
-    small_budget: ClassVar[int | None] = None
-    # stats_keys: the keys stats() adds to the base ones
-    stats_keys: ClassVar[tuple[str, ...]] = ()
-    # offloads: at small_spec KV crosses to the host tier (and what comes back must be bit for bit)
-    offloads: ClassVar[bool] = False
-    # prefill_equals_decoding: the prompt's logits equal those of feeding it one token at a time
-    prefill_equals_decoding: ClassVar[bool] = False
-    # reports_attended: attended_indices() names what each decode step read, keys as the layer was
-    #   given them (False: it answers None though it may read less, or it re-rotates keys)
-    reports_attended: ClassVar[bool] = True
-
     PAPER: ClassVar[dict] = {}  # the parameter values of the paper's rules, which preset=paper selects
     PAPER_SIZES: ClassVar[dict] = {}  # the sizes the paper ran at: preset=paper takes those not given
     has_paper: ClassVar[bool] = True  # False for a baseline (full) that implements no paper
@@ -144,21 +100,8 @@ class Policy(TierStats, ABC):
     backend: str = param("eager")
     preset: str | None = param(None, choices=PRESETS)
 
-    def __new__(cls, *args, **kwargs):
-        # preset=paper with one of the paper's parameters given another value is refused however
-        # the policy is built (make's spec, or the class called): only the call's keywords tell
-        # a value given from one left at its default, which apply_preset replaces
-        preset_conflicts(cls, kwargs)
-        policy = super().__new__(cls)
-        policy._given = frozenset(kwargs)  # apply_preset: a size given beside preset=paper stays
-        return policy
-
     def __post_init__(self):
-        apply_preset(self, getattr(self, "_given", None))
-        check_fields(self)
-        # refuses a backend the policy does not implement; "reference" stays as given: policies
-        # read it for their own forms
-        check_backend(self.backend, self.kernels, self.name)
+        self.check_parameters()  # checks.py: the preset applied, every parameter in its bounds
         self.cfg: ModelConfig | None = None
         self.layers: list[LayerKV] = []
         self.windows: dict[int, LayerKV] = {}  # the model's local layers, kept by the runtime (window.py)
@@ -168,20 +111,12 @@ class Policy(TierStats, ABC):
 
     # -- binding ---------------------------------------------------------------------------
     def bind(self, cfg: ModelConfig, *, device, dtype: torch.dtype, max_len: int, batch_size: int = 1) -> "Policy":
-        if self.max_batch is not None and batch_size > self.max_batch:
-            raise ValueError(f"policy {self.name!r} supports batch size <= {self.max_batch}, got {batch_size}")
-        self.check_length(cfg, max_len)
+        self.check_bind(cfg, max_len, batch_size)  # checks.py: the batch, the context, a global layer
         # local layers (window.py): a sliding window shorter than the sequence; the runtime keeps them
-        from .window import governed_config, local_windows  # (window.py subclasses LayerKV: no cycle)
+        from .window import WindowLayer, governed_config, local_windows  # (window.py subclasses LayerKV: no cycle)
 
         windows = local_windows(cfg, max_len)
         self.global_layers = [i for i in range(cfg.n_layers) if i not in windows]
-        if windows and not self.global_layers and self.name != "full":
-            self.max_len = max_len
-            self.validate(cfg)  # the policy's own word on a sliding-window model, where it has one
-            raise ValueError(f"every layer of this model is a sliding window of {min(windows.values())} tokens, "
-                             f"shorter than the sequence ({max_len}): the runtime keeps each window, and "
-                             f"{self.name!r} has no global layer to govern (use full)")
         self.model_cfg, cfg = cfg, governed_config(cfg, max_len)
         self.cfg, self.dtype, self.max_len, self.batch_size = cfg, dtype, max_len, batch_size
         self.tiers = Tiers(device)
@@ -192,28 +127,12 @@ class Policy(TierStats, ABC):
         self.reset_counts()
         self.allocate_shared()
         self.layers = make_layers(self)  # make_layer's, beside the model where it overlaps (overlap.py)
-        self.windows = {}
-        if windows:
-            from .window import WindowLayer
-
-            self.windows = {i: WindowLayer(self, i, w, w + self.max_rewind()) for i, w in windows.items()}
+        self.windows = {i: WindowLayer(self, i, w, w + self.max_rewind()) for i, w in windows.items()}
         # the model's layer index -> the policy's layer, or the runtime's window
         self._by_index = [self.windows.get(i) for i in range(self.model_cfg.n_layers)]
         for j, i in enumerate(self.global_layers):
             self._by_index[i] = self.layers[j]
         return self
-
-    def check_length(self, cfg: ModelConfig, max_len: int) -> None:
-        """Most policies keep absolute positions, so a sequence (prompt + new tokens) must fit
-        the model's context. A policy that renumbers positions (streaming) overrides this."""
-        if max_len > cfg.max_position_embeddings:
-            raise ValueError(
-                f"prompt + new tokens = {max_len} exceeds the model's context of "
-                f"{cfg.max_position_embeddings} tokens by {max_len - cfg.max_position_embeddings}"
-            )
-
-    def validate(self, cfg: ModelConfig) -> None:
-        """Raise ValueError for parameters impossible with this model. Override as needed."""
 
     def allocate_shared(self) -> None:
         """Buffers the layers share (staging for recalls), allocated at bind before the layers."""
@@ -223,12 +142,6 @@ class Policy(TierStats, ABC):
 
     def overlaps(self) -> bool:  # whether a layer's next selection runs on a worker beside the model (overlap.py)
         return False
-
-    @classmethod
-    def spec_for_model(cls, spec: str, cfg: ModelConfig, workdir) -> str:
-        """The spec check_policy runs on a model it builds: `spec` itself, unless the policy needs
-        a file made for that model (synckv: a head clustering), which it writes into workdir."""
-        return spec
 
     def layer(self, index: int) -> LayerKV:
         """The KV of the model's layer `index`: the policy's, or the runtime's window (window.py)."""
@@ -258,11 +171,6 @@ class Policy(TierStats, ABC):
         return positions
 
     # -- per step --------------------------------------------------------------------------
-    def read_bound(self, budget: int) -> int:
-        """The most tokens a decode step may read for one KV head of budget_heads at `budget`
-        (what check_policy holds): the budget, unless the rule reads past it (synckv's union)."""
-        return budget
-
     def end_step(self, logits: torch.Tensor | None = None) -> StepAction | None:
         """Called by the model after every forward (prefill included), on the next-token logits
         (B, V). A policy that asks something of the loop (softfreeze's rewind) overrides this,

@@ -84,7 +84,7 @@ class Full(Policy):
     has_paper = False  # the baseline: full:paper is full
     max_batch = None
     kernels = ("decode_attention",)
-    # the contract matrix's data (contract.Policy, "What check_policy reads")
+    # the contract matrix's data (checks.PolicyChecks, "What check_policy reads")
     covering_spec = "full"
     prefill_equals_decoding = True
 

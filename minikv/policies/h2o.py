@@ -172,7 +172,7 @@ class H2O(Policy):
                                      "(none: half of it, (budget - 1) // 2, the paper's even split; 0: Algorithm 1 "
                                      "alone)", low=0)
 
-    # the contract matrix's data (contract.Policy, "What check_policy reads")
+    # the contract matrix's data (checks.PolicyChecks, "What check_policy reads")
     covering_spec = "h2o:budget=1000000"
     small_spec, small_budget = "h2o:budget=24,window=8", 24
     stats_keys = ("budget", "window", "tokens_evicted")

@@ -1,11 +1,35 @@
 """The tier accounting every policy reports (`Policy.stats()`): tokens and bytes on each tier, what
-crossed between them, what a decode step read, and the threads decoding runs on. Policy inherits it (contract.py); the counts
-are derived from the layers' state when asked, but for two per-step figures (the peak, and the
-tokens each decode step read), which `count_step` adds up as the model ends each step.
+crossed between them, what a decode step read, and the threads decoding runs on. Policy inherits
+TierStats and LayerKV inherits LayerStats (contract.py); the counts are derived from the layers'
+state when asked, but for two per-step figures (the peak, and the tokens each decode step read),
+which `count_step` adds up as the model ends each step.
 """
 from __future__ import annotations
 
 import torch
+
+
+class LayerStats:
+    """Mixin of LayerKV (contract.py): what one layer holds on each tier, besides what its attention
+    reads (`device_tokens`, which every layer declares). Defaults for a layer that keeps nothing on
+    the host and reserves no more than it holds."""
+
+    def host_tokens(self) -> int:
+        """Tokens per KV head held on the host tier."""
+        return 0
+
+    def allocated_device_tokens(self) -> int:
+        """Token slots reserved on the device tier (preallocation counts)."""
+        return self.device_tokens()
+
+    def allocated_host_tokens(self) -> int:
+        """Token slots reserved on the host tier (a preallocated host buffer counts in full)."""
+        return self.host_tokens()
+
+    def aux_bytes(self) -> tuple[int, int]:
+        """(device, host) bytes this layer holds besides K and V slots: digests, trees, index
+        tensors, staging buffers. Counted in the allocated figures of `Policy.stats`."""
+        return 0, 0
 
 
 class TierStats:

@@ -222,7 +222,7 @@ class Streaming(Policy):
     name = "streaming"
     max_batch = 1  # one sequence: every row would need its own prune schedule and cache positions
     kernels = ("decode_attention", "rope_delta")
-    # the contract matrix's data (contract.Policy, "What check_policy reads")
+    # the contract matrix's data (checks.PolicyChecks, "What check_policy reads")
     covering_spec = "streaming:sink=4,window=90"  # prunes past sink + window + R = 126 > 120 tokens
     small_spec, small_budget = "streaming:sink=4,window=24", 4 + 24 + 32  # sink + window + R
     stats_keys = ("budget", "cache_length", "prune_events", "tokens_dropped", "compactions")

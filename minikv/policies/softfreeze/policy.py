@@ -10,11 +10,12 @@ softness = the paper's k) is > 0, its K/V moved to the host tier for d_j steps; 
 back bit for bit and is judged again. Where to read what:
 
     SoftFreeze (here)            parameters, bind, end_step: lines 3-15 after the last layer, EGR
+                                 (its stats(): accounting.py)
     schedule.Algorithm1Layer     Algorithm 1 per layer, the paper's names: backend=reference
     recovery.RecoveryLadder      Entropy-Guided Recovery, the rungs SR, WR, FR, RR (Section 3.6)
     kernels/attention_relevance  lines 1-2: attention and s_j in one pass (reference.py)
     schedule_fast, layer_fast    the fast form of the same schedule, all layers at once (the
-                                 default; bind and make_layer pick the form by backend)
+                                 default; dispatch.py gives bind and make_layer the backend's form)
 
 The paper's rules: `softfreeze:paper` (preset=paper: score=raw, tau=0.5, judge_prompt=true,
 egr=false, the paper's Eq. 2, threshold and first step, and no recovery, which Sec. 3.6 leaves to
@@ -46,15 +47,14 @@ import torch
 
 from ..contract import Policy, StepAction, param
 from ..registry import register
-from .layer_fast import FastAlgorithm1Layer
+from . import dispatch
+from .accounting import FreezeStats
 from .recovery import RecoveryLadder
-from .schedule import Algorithm1Layer
-from .schedule_fast import FreezeTiers
 
 
 @register
 @dataclass(eq=False, kw_only=True)
-class SoftFreeze(RecoveryLadder, Policy):
+class SoftFreeze(RecoveryLadder, FreezeStats, Policy):
     """ASR-KF-EGR: sublinear soft freezing of low-relevance tokens to the host tier, with an
     entropy-guided recovery ladder."""
 
@@ -64,7 +64,7 @@ class SoftFreeze(RecoveryLadder, Policy):
     # Eq. 2 as it is, Sec. 4.1's tau = 0.50, the prefill's forward as the first generation step, and
     # no recovery: "Full implementation and evaluation of the recovery system is planned for future work"
     PAPER = dict(score="raw", tau=0.5, judge_prompt=True, egr=False)
-    # the contract matrix's data (contract.Policy, "What check_policy reads")
+    # the contract matrix's data (checks.PolicyChecks, "What check_policy reads")
     covering_spec = "softfreeze:tau=0"  # nothing is below relevance 0: nothing freezes
     small_spec = "softfreeze:softness=1"  # no budget: it freezes by relevance, from the first step on
     stats_keys = ("compression", "total_tokens", "freezes", "thaws", "spikes", "rewalks", "recovered_tokens")
@@ -121,9 +121,8 @@ class SoftFreeze(RecoveryLadder, Policy):
         self.history = None if W is None or W >= kwargs["max_len"] else W
         super().bind(cfg, **kwargs)
         # self.cfg: the layers this policy governs (a hybrid model's global ones, contract.Policy.bind)
-        # the fast form (backend eager or triton): the state of all layers stacked, which runs
-        # lines 3-15 for every layer at once (None: Algorithm1Layer, each its own)
-        self.state = None if self.backend == "reference" else FreezeTiers(self, self.cfg.n_layers)
+        # the fast form's state of all layers stacked (dispatch.py; None: Algorithm1Layer, each its own)
+        self.state = dispatch.stacked_state(self)
         self.scores: list[torch.Tensor | None] = [None] * self.cfg.n_layers  # each layer's s_j of this forward
         self.entropies: list[float] = []  # H of each step's next-token distribution, nats
         self.level = 0  # the ladder's current rung, 0 = calm
@@ -135,8 +134,7 @@ class SoftFreeze(RecoveryLadder, Policy):
         return self
 
     def make_layer(self, index: int):
-        # the fast form's layer is a view of self.state
-        return Algorithm1Layer(self, index) if self.backend == "reference" else FastAlgorithm1Layer(self, index)
+        return dispatch.make_layer(self, index)  # schedule.Algorithm1Layer, or a view of self.state
 
     # -- per step ----------------------------------------------------------------------------
     def end_step(self, logits: torch.Tensor | None = None) -> StepAction | None:
@@ -190,17 +188,3 @@ class SoftFreeze(RecoveryLadder, Policy):
             mask = torch.zeros(layer.n_tok, dtype=torch.bool, device=tok.device)
             mask[tok[tok + 1 < layer.n_tok] + 1] = True
             self.counters["followed"] += layer.unfreeze_where(mask)
-
-    # -- accounting --------------------------------------------------------------------------
-    def stats(self) -> dict:
-        out = super().stats()
-        total = self._mean(lambda layer: layer.n_tok)
-        out.update(self.counters)
-        out.update(
-            total_tokens=total,
-            compression=1 - out["device_tokens"] / total if total else 0.0,
-            freezes=sum(layer.freezes for layer in self.layers),
-            thaws=sum(layer.thaws for layer in self.layers),
-            entropy_last=self.entropies[-1] if self.entropies else float("nan"),
-        )
-        return out

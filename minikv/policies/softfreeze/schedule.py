@@ -34,6 +34,7 @@ import torch
 
 from ...kernels.attention_relevance import attention_relevance
 from ..contract import LayerKV, dense_attention
+from .accounting import Algorithm1LayerStats
 
 
 def attention_share(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -61,7 +62,7 @@ def freeze_duration(c: torch.Tensor, k: float) -> torch.Tensor:
     return torch.floor(torch.sqrt(c.double()) / k).long()
 
 
-class Algorithm1Layer(LayerKV):
+class Algorithm1Layer(Algorithm1LayerStats, LayerKV):
     """One layer of softfreeze, run as Algorithm 1 reads."""
 
     def __init__(self, policy, index: int):
@@ -198,18 +199,5 @@ class Algorithm1Layer(LayerKV):
     n_act = property(lambda self: int(self.active[: self.n_tok].sum()))
     n_frozen = property(lambda self: self.n_tok - self.n_act)
 
-    def device_tokens(self) -> int:
+    def device_tokens(self) -> int:  # (the other tiers' figures: accounting.Algorithm1LayerStats)
         return self.n_act
-
-    def host_tokens(self) -> int:
-        return self.n_frozen
-
-    def allocated_device_tokens(self) -> int:
-        return self.kv.shape[0]  # a row for every token the generation may hold
-
-    def allocated_host_tokens(self) -> int:
-        return self.kv_host.shape[0]
-
-    def aux_bytes(self) -> tuple[int, int]:
-        parts = [self.active, self.c, self.d, self.frozen_at, self.seen]
-        return sum(t.numel() * t.element_size() for t in parts if t is not None), 0
