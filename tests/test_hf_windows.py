@@ -17,7 +17,6 @@ import torch
 
 import minikv
 from minikv.policies import available, make
-from minikv.policies.window import governed_config
 from tests.models.test_gemma3 import needs_gemma
 from tests.test_hf import NoTokenizer, compare, hf_own, run_hf, run_minikv
 
@@ -42,11 +41,11 @@ def gemma3(reference_dir):
     return load_both(reference_dir / "models" / "gemma3_tiny")
 
 
-def small_spec(name, cfg, max_len, workdir):
-    """The policy's small spec (check_policy's), with the file it needs for this model's global
-    layers made where it needs one (synckv's head clustering)."""
+def small_spec(name, cfg, workdir):
+    """The policy's small spec (check_policy's), with the file it needs for this model made where
+    it needs one (synckv's head clustering, for the model's global layers)."""
     cls = type(make(name))
-    return cls.spec_for_model(cls.small_spec or name, governed_config(cfg, max_len), workdir)
+    return cls.spec_for_model(cls.small_spec or name, cfg, workdir)
 
 
 @pytest.mark.parametrize("name", available())
@@ -55,7 +54,7 @@ def test_gemma3_every_policy_matches_minikv_runtime(name, gemma3, tmp_path):
     # absolute positions with the local RoPE base; the policy governs the global layer (1), and
     # scores there by query_pre_attn_scalar^-1/2 (24, not head_dim 16)
     model, hf = gemma3
-    spec = small_spec(name, model.cfg, len(GEMMA_IDS) + NEW, tmp_path)
+    spec = small_spec(name, model.cfg, tmp_path)
     want = run_minikv(model, NoTokenizer(), GEMMA_IDS, spec, NEW)
     got = run_hf(hf, GEMMA_IDS, spec, NEW)
     assert compare(spec, got, want, 1e-4, min_equal=NEW) == NEW
@@ -167,7 +166,7 @@ def test_mistral_window_covering_the_sequence_every_policy(name, reference_dir, 
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "sliding_window": 64}))
     model, hf = load_both(path)
-    spec = small_spec(name, model.cfg, len(MISTRAL_IDS) + NEW, tmp_path)
+    spec = small_spec(name, model.cfg, tmp_path)
     want = run_minikv(model, NoTokenizer(), MISTRAL_IDS, spec, NEW)
     got = run_hf(hf, MISTRAL_IDS, spec, NEW)
     assert compare(spec, got, want, 1e-4, min_equal=NEW) == NEW

@@ -38,7 +38,6 @@ from ..kernels import BACKENDS, check_backend, policy_backends
 from ..policies.contract import Policy
 from ..policies.registry import _REGISTRY, discover, make, parameters
 from ..policies.params import value_type
-from ..policies.window import governed_config
 from .models import FAMILIES, tiny_model
 from .recorder import fail as _fail
 from .runs import NEW, PROMPT, device_of, greedy, random_ids, run
@@ -72,13 +71,12 @@ def check_policy(spec_or_class, *, oracle=None, families=tuple(FAMILIES), smollm
         for family in families:
             model = tiny_model(family, device=device)
             where = f"{cls.name} on the tiny {family} model"
-            governed = governed_config(model.cfg, PROMPT + NEW)  # a hybrid model's global layers
-            spec = cls.spec_for_model(small, governed, Path(work))
+            spec = cls.spec_for_model(small, model.cfg, Path(work))
             if not _accepts(cls, spec, model, where):
                 ran.setdefault("sliding-window refusal", []).append(family)
                 continue
             ids = random_ids(model)
-            _covering(cls, model, ids, cls.spec_for_model(covering, governed, Path(work)), where)
+            _covering(cls, model, ids, cls.spec_for_model(covering, model.cfg, Path(work)), where)
             _small(cls, model, ids, spec, budget, where, oracle)
             if cls.prefill_equals_decoding:
                 _prefill(model, ids, spec, where)

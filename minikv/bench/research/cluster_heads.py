@@ -10,7 +10,9 @@ over the whole context. Per layer, S[i, j] is the mean over steps and documents 
 coefficient (Eq. 1) of heads i and j (Eq. 2); D = max(S) - S is clustered by seeded K-means on
 its rows into N_r clusters for every N_r in --n-r (default: 1 .. the KV heads), and the member
 nearest each centroid is the R-head. Writes a JSON file keyed by the model's identity (config and
-weights checksums) that `synckv:clusters=FILE` reads; SmolLM2's ships with minikv.
+weights checksums) that `synckv:clusters=FILE` reads; SmolLM2's ships with minikv. On a model with
+local and global layers (Gemma 3) the file holds the global layers alone (clusters.clustered_layers):
+the local layers keep their window whatever the policy.
 
 Also printed, from the same run (the paper's Figure 2, on this model): (a) attention drift, the
 overlap of each head's top-k set at decode step t with the one of the last prompt token, for t
@@ -31,7 +33,8 @@ from ...generate import generate
 from ...kernels.attention_topk import attention_topk
 from ...kernels.decode_attention import decode_attention
 from ...policies.full import Full, FullLayer
-from ...policies.synckv.clusters import SimilarityMeter, make_document, overlap, weights_sha256
+from ...policies.window import local_windows
+from ...policies.synckv.clusters import SimilarityMeter, clustered_layers, make_document, overlap, weights_sha256
 from ..common import add_common_arguments, load_model, long_text, print_table
 
 DRIFT_STEPS = (10, 50, 200)
@@ -49,7 +52,8 @@ def add_arguments(p) -> None:
 
 
 class ProbeLayer(FullLayer):
-    """Full KV that also records each KV head's top-k attention set of every step."""
+    """Full KV that also records each KV head's top-k attention set of every step, under the
+    model's index of its layer (the policy's layer `index` is the index-th global one)."""
 
     def _topk(self, q, length):
         # q (1, Hq, D) over the first `length` cached tokens -> (Hkv, k) token indices
@@ -61,12 +65,13 @@ class ProbeLayer(FullLayer):
 
     def prefill(self, q, k, v, positions):
         out = super().prefill(q, k, v, positions)
-        self.policy.record(self.index, self._topk(q[:, :, -1], k.shape[2]), k.shape[2], prefill=True)
+        self.policy.record(self.policy.global_layers[self.index], self._topk(q[:, :, -1], k.shape[2]), k.shape[2],
+                           prefill=True)
         return out
 
     def decode(self, q, k, v, positions):
         out = super().decode(q, k, v, positions)
-        self.policy.record(self.index, self._topk(q[:, :, 0], self.longest), self.longest)
+        self.policy.record(self.policy.global_layers[self.index], self._topk(q[:, :, 0], self.longest), self.longest)
         return out
 
 
@@ -78,10 +83,10 @@ class Probe(Full):
     def __init__(self, *, topk: int = 64, n_layers: int = 1, n_kv: int = 1):
         super().__init__()
         self.topk = topk
-        self.meter = SimilarityMeter(n_layers, n_kv)
+        self.meter = SimilarityMeter(n_layers, n_kv)  # by the model's layer index
         self.drift = {t: [] for t in DRIFT_STEPS}  # step -> mean overlap with the prefill's set, per doc
         self.adjacent = []  # mean overlap of adjacent steps' sets, per step
-        self.layer_sim = torch.zeros(n_layers, n_layers, dtype=torch.float64)  # head-to-head, summed
+        self.layer_sim = None  # (probed layers, probed layers) head-to-head, summed
         self.layer_sim_steps = 0
 
     def make_layer(self, index):
@@ -102,24 +107,28 @@ class Probe(Full):
         if not self.now:
             return action
         step = self.steps - 1  # decode steps so far
-        sets = [self.now[i][0] for i in range(len(self.layers))]
-        length = self.now[0][1]
+        probed = sorted(self.now)  # the model's index of each probed layer
+        sets = [self.now[i][0] for i in probed]
+        length = self.now[probed[0]][1]
         diag = lambda a, b: float(torch.diagonal(overlap(a, b, length)).mean())  # noqa: E731
-        self.adjacent.append(sum(diag(s, self.prev[i]) for i, s in enumerate(sets)) / len(sets))
+        self.adjacent.append(sum(diag(s, self.prev[i]) for i, s in zip(probed, sets)) / len(sets))
         if step in self.drift:
-            self.drift[step].append(sum(diag(s, self.first[i]) for i, s in enumerate(sets)) / len(sets))
+            self.drift[step].append(sum(diag(s, self.first[i]) for i, s in zip(probed, sets)) / len(sets))
         # Figure 2(c): every head against every head, averaged per (layer, layer) block
         H = sets[0].shape[0]
         o = overlap(torch.cat(sets), torch.cat(sets), length).view(len(sets), H, len(sets), H)
+        if self.layer_sim is None:
+            self.layer_sim = torch.zeros(len(sets), len(sets), dtype=torch.float64)
         self.layer_sim += o.sum(dim=(1, 3))
         self.layer_sim_steps += 1
-        self.prev = {i: s for i, s in enumerate(sets)}
+        self.prev = dict(zip(probed, sets))
         self.now = {}
         return action
 
     def observations(self) -> dict:
-        n, H = self.layer_sim.shape[0], self.meter.total.shape[1]
-        sums = self.layer_sim / max(self.layer_sim_steps, 1)
+        layer_sim = self.layer_sim if self.layer_sim is not None else torch.zeros(1, 1, dtype=torch.float64)
+        n, H = layer_sim.shape[0], self.meter.total.shape[1]
+        sums = layer_sim / max(self.layer_sim_steps, 1)
         eye = torch.eye(n, dtype=torch.bool)
         # intra: pairs of *different* heads of one layer (a head against itself is always 1)
         intra = float((sums.diagonal() - H).sum() / (n * H * (H - 1))) if H > 1 else float("nan")
@@ -162,6 +171,11 @@ def run(args) -> int:
         raise ValueError(f"--n-r values must be in 1..{cfg.n_kv_heads} (the KV heads), got {bad}")
     if args.doc_tokens + args.steps > cfg.max_position_embeddings:
         raise ValueError(f"--doc-tokens + --steps exceeds the model's context of {cfg.max_position_embeddings}")
+    # the probe governs (and so observes) the layers to cluster: on a Mistral, every layer within its window
+    held = clustered_layers(cfg)
+    if set(held) & set(local_windows(cfg, args.doc_tokens + args.steps + 1)):
+        raise ValueError(f"--doc-tokens + --steps must stay within the model's sliding window of "
+                         f"{cfg.sliding_window} (every layer has one)")
     model, tok = load_model(args)
     docs = documents(tok, args.docs, args.doc_tokens)
     probe = Probe(topk=args.topk, n_layers=cfg.n_layers, n_kv=cfg.n_kv_heads)
@@ -173,7 +187,7 @@ def run(args) -> int:
         print(f"cluster-heads: document {i + 1}/{len(docs)} done, {spent:.0f} s, "
               f"~{spent / (i + 1) * (len(docs) - i - 1):.0f} s left", file=sys.stderr, flush=True)
 
-    S = probe.meter.mean()
+    S = probe.meter.mean()[held]  # (clustered layers, Hkv, Hkv): the global ones on Gemma 3
     corpus = {"source": "pydoc_data.topics", "docs": args.docs, "doc_tokens": args.doc_tokens,
               "steps": args.steps, "topk": args.topk}
     doc = make_document(cfg, name=str(args.model), weights=weights_sha256(model_dir),
@@ -189,11 +203,11 @@ def print_summary(S: torch.Tensor, doc: dict) -> None:
     rows = []
     H = S.shape[1]
     off = ~torch.eye(H, dtype=torch.bool)
-    for layer, s in enumerate(S):
+    for j, (layer, s) in enumerate(zip(doc["layers"], S)):
         row = {"layer": layer, "min": float(s[off].min()) if H > 1 else None,
                "mean": float(s[off].mean()) if H > 1 else None, "max": float(s[off].max()) if H > 1 else None}
         for n, layers in doc["clusterings"].items():
-            c = layers[layer]
+            c = layers[j]
             row[f"N_r={n}"] = " ".join("{" + ",".join(f"{'*' if h == r else ''}{h}" for h in members) + "}"
                                        for members, r in zip(c["clusters"], c["r_heads"]))
         rows.append(row)

@@ -12,7 +12,9 @@ writes a JSON file holding, per layer, S and the clusterings for every N_r from 
 of KV heads. The file is keyed by the model's identity: a SHA-256 of its config (the only thing a
 policy sees when it is bound) and one of its safetensors weights (recorded; checked by the
 command and the tests, since a policy never sees the weights). SmolLM2's file ships in
-minikv/policies/data/.
+minikv/policies/data/. On a model with local and global layers (Gemma 3) the file is the model's
+(its config, all its layers) and holds the global layers' clusterings alone (`clustered_layers`;
+docs/design.md, "Local and global layers"); a bound policy takes those it governs, in order.
 """
 from __future__ import annotations
 
@@ -165,15 +167,26 @@ def weights_sha256(model_dir: Path) -> str:
     return h.hexdigest()
 
 
+def clustered_layers(cfg) -> list[int]:
+    """The model's layers a clustering file holds: its global layers (no sliding window), the only
+    ones a policy governs once the context passes the windows; every layer of a model with no
+    window, or with a window on every layer (Mistral: synckv runs it only within its window, where
+    every layer is global)."""
+    layers = [i for i in range(cfg.n_layers) if cfg.layer_window(i) is None]
+    return layers or list(range(cfg.n_layers))
+
+
 def make_document(cfg, *, name: str, weights: str, S: torch.Tensor, corpus: dict, seed: int = 0,
                   n_rs=None) -> dict:
-    """The clustering file's content: S (n_layers, Hkv, Hkv) -> clusterings for each N_r."""
+    """The clustering file's content: S (len(clustered_layers), Hkv, Hkv), the model's clustered
+    layers in order -> clusterings for each N_r."""
     n_kv = cfg.n_kv_heads
     n_rs = list(n_rs or range(1, n_kv + 1))
     return {
         "format": FORMAT,
         "model": {"name": name, "config_sha256": config_sha256(cfg), "weights_sha256": weights,
                   "n_layers": cfg.n_layers, "n_kv_heads": n_kv},
+        "layers": clustered_layers(cfg),  # the model's layer index of each clustering below
         "corpus": corpus,
         "seed": seed,
         "similarity": [[[round(float(x), 6) for x in row] for row in layer] for layer in S],
@@ -191,8 +204,14 @@ def read_file(path: Path) -> dict:
     return doc
 
 
+def file_layers(doc: dict, cfg) -> list[int]:
+    """The model's layer index of each of a file's clusterings (a file without the field, as
+    SmolLM2's shipped one, holds every clustered layer)."""
+    return doc.get("layers", clustered_layers(cfg))
+
+
 def read_similarity(path: Path) -> torch.Tensor:
-    """S of Eq. 2 as a clustering file stores it: (n_layers, Hkv, Hkv) float64."""
+    """S of Eq. 2 as a clustering file stores it: (the file's layers, Hkv, Hkv) float64."""
     S = read_file(path).get("similarity")
     try:
         S = torch.tensor(S, dtype=torch.float64)
@@ -204,9 +223,10 @@ def read_similarity(path: Path) -> torch.Tensor:
     return S
 
 
-def find_clustering(cfg, n_r: int, path: str | None = None) -> tuple[list[dict], Path]:
-    """The clusters of every layer for N_r = n_r: from `path`, or else from the file shipped in
-    minikv/policies/data whose config matches. -> ([{"clusters", "r_heads"}] per layer, file)."""
+def find_clustering(cfg, n_r: int, path: str | None = None, layers=None) -> tuple[list[dict], Path]:
+    """The clusters of the model's `layers` (default: every clustered layer) for N_r = n_r: from
+    `path`, or else from the file shipped in minikv/policies/data whose config matches; cfg is the
+    model's, all its layers. -> ([{"clusters", "r_heads"}] per layer of `layers`, file)."""
     want = config_sha256(cfg)
     files = [Path(path)] if path else sorted(DATA_DIR.glob("synckv_*.json"))
     for file in files:
@@ -216,12 +236,19 @@ def find_clustering(cfg, n_r: int, path: str | None = None) -> tuple[list[dict],
                 raise ValueError(f"{file} was made for another model ({doc['model']['name']}: config sha256 "
                                  f"{doc['model']['config_sha256'][:12]}, this one {want[:12]}); make one with: {COMMAND}")
             continue
-        layers = doc["clusterings"].get(str(n_r))
-        if layers is None:
+        clusterings = doc["clusterings"].get(str(n_r))
+        if clusterings is None:
             raise ValueError(f"{file} has no clustering for n_r={n_r} (it has {', '.join(doc['clusterings'])}); "
                              f"make one with: {COMMAND} --n-r {n_r}")
-        if len(layers) != cfg.n_layers:
-            raise ValueError(f"{file} has {len(layers)} layers, the model {cfg.n_layers}")
-        return layers, file
+        held = file_layers(doc, cfg)
+        if len(clusterings) != len(held) or held != clustered_layers(cfg):
+            raise ValueError(f"{file} has {len(clusterings)} layers, the model {len(clustered_layers(cfg))} to "
+                             f"cluster (its global layers)")
+        want_layers = held if layers is None else list(layers)
+        missing = [i for i in want_layers if i not in held]
+        if missing:
+            raise ValueError(f"{file} holds the model's global layers {held}; this run governs local layers "
+                             f"{missing} too (a sequence within their window), which no clustering holds")
+        return [clusterings[held.index(i)] for i in want_layers], file
     raise ValueError(f"no SyncKV head clustering for this model (config sha256 {want[:12]}); make one with: "
                      f"{COMMAND}, then use synckv:clusters=FILE")
