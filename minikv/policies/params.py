@@ -31,7 +31,8 @@ SHARED = {
     "sink": "first tokens of the sequence, always attended",
     "window": "most recent tokens, always attended",
     "page_size": "tokens per page",
-    "skip_layers": "the first layers, which keep full KV",
+    "skip_layers": "the first layers the policy governs, which keep full KV; on a model with local and global "
+                   "layers these count the global ones (Gemma 3: 3 of its 18, so skip_layers=2 leaves one)",
     "backend": "reference (the readable forms), eager (the fast CPU forms), triton (the kernels) or a name "
                "given to minikv.kernels.register_backend",
     "preset": "paper: exactly the paper's rules (the spec NAME:paper is the same); none: the defaults",

@@ -103,7 +103,8 @@ class SyncKV(Report, Policy):
     anticipation: bool = param(True, "anticipation steps (false: the initial selection only)")
     wide_layers: int = param(4, "layers that take wide_n_r clusters instead of n_r (beyond the paper): the ones "
                                 "whose heads agree least (lowest mean similarity S between heads, Eq. 2); capped "
-                                "by the model's layers; 0: N_r clusters in every layer, as the paper", low=0)
+                                "by the layers the policy governs (on a model with local and global layers, the "
+                                "global ones); 0: N_r clusters in every layer, as the paper", low=0)
     wide_n_r: int = param(0, "clusters per layer in the wide layers (0: one per KV head, full KV there)", low=0)
     overlap: bool = param(False, "anticipation's selection on a worker thread while the model computes the next "
                                  "layers (backend=eager; reference and triton stay synchronous): one more thread, "
