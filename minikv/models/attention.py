@@ -18,7 +18,8 @@ def dense_attention(q, k, v, q_pos=None, k_pos=None, window: int | None = None, 
 
     q (B, Hq, T, D); k, v (B, Hkv, L, D); q_pos (B, T), k_pos (B, L) int: key j is visible to query
     i when k_pos[j] <= q_pos[i] (and q_pos[i] - k_pos[j] < window). With no positions given, the
-    last T keys are the queries themselves (plain causal prefill), which takes SDPA's fused path.
+    last T keys are the queries themselves (plain causal prefill), which takes SDPA's fused path;
+    with a window as well, windowed_attention's blocks (no T x L mask, however long the prompt).
     """
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     # GQA without copies: SDPA maps query head h to KV head h // (Hq // Hkv) itself
@@ -34,14 +35,46 @@ def dense_attention(q, k, v, q_pos=None, k_pos=None, window: int | None = None, 
             # float32 products over float32 copies of K and V
             return one_query_attention(q.float(), k.float(), v.float(), scale).to(q.dtype)
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+    if q_pos is None and window is not None:
+        return windowed_attention(q, k, v, window, scale)
     if q_pos is None:
         L, T = k.shape[2], q.shape[2]
         k_pos = torch.arange(L, device=q.device)[None]
         q_pos = torch.arange(L - T, L, device=q.device)[None]
+    return masked_attention(q, k, v, q_pos, k_pos, window, scale)
+
+
+def masked_attention(q, k, v, q_pos, k_pos, window: int | None, scale: float):
+    """q (B, Hq, T, D); k, v (B, Hkv, L, D); q_pos (B, T), k_pos (B, L) -> (B, Hq, T, D): key j
+    visible to query i when k_pos[j] <= q_pos[i] and q_pos[i] - k_pos[j] < window. Builds the
+    (B, T, L) mask: the caller keeps T x L small (windowed_attention does, for a long prompt)."""
     visible = k_pos[:, None, :] <= q_pos[:, :, None]  # (B, T, L)
     if window is not None:
         visible &= (q_pos[:, :, None] - k_pos[:, None, :]) < window
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def windowed_attention(q, k, v, window: int, scale: float, block: int | None = None):
+    """Causal sliding-window attention of the last T of L keys' queries, in O(T x window) time and
+    memory: the prefill of a local layer (Gemma 3's 512-token windows, a Mistral's).
+
+    q (B, Hq, T, D); k, v (B, Hkv, L, D), L >= T, query i at key index L - T + i -> (B, Hq, T, D).
+    Query i sees keys L - T + i - window < j <= L - T + i, so a block of queries [s, e) needs only
+    the keys from L - T + s - window + 1 to L - T + e - 1: each block of `block` (default window)
+    query rows attends over at most block + window - 1 keys, and the mask and scores built are
+    (block, block + window - 1) per block instead of (T, L). The result is the one-mask form's,
+    block by block (masked_attention with positions 0..L-1)."""
+    B, Hq, T, _ = q.shape
+    L, block = k.shape[2], block or window
+    out = q.new_empty(B, Hq, T, v.shape[-1])  # (B, Hq, T, Dv)
+    for s in range(0, T, block):
+        e = min(s + block, T)
+        lo, hi = max(L - T + s - window + 1, 0), L - T + e  # keys [lo, hi) of queries [s, e)
+        k_pos = torch.arange(lo, hi, device=q.device)[None]  # (1, hi - lo)
+        q_pos = torch.arange(L - T + s, hi, device=q.device)[None]  # (1, e - s): the block's last keys
+        out[:, :, s:e] = masked_attention(q[:, :, s:e], k[:, :, lo:hi], v[:, :, lo:hi], q_pos, k_pos, window, scale)
+    return out
 
 
 def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -48,7 +48,9 @@ class WindowLayer(LayerKV):
         self.held = int((self.pos[0] != EMPTY).sum())
 
     def prefill(self, q, k, v, positions):
-        # q (B, Hq, T, D); k, v (B, Hkv, T, D): the prompt attends causally within the window
+        # q (B, Hq, T, D); k, v (B, Hkv, T, D): the prompt attends causally within the window, by
+        # index (padding is on the right: no real query sees it), in blocks of `window` queries
+        # (models/attention.py windowed_attention): O(T x window) time and memory, not T^2
         self._write(k, v, positions)
         return dense_attention(q, k, v, window=self.window)
 

