@@ -39,7 +39,7 @@ from types import MethodType
 
 import torch
 
-from .worker import policy_worker  # (synckv/policy.py imports it from here too)
+from .worker import policy_worker
 
 
 @cache

@@ -31,6 +31,8 @@ def query_heads(kv_heads: list[int], group: int, device) -> torch.Tensor:
 
 
 class SyncKVLayer(LayerKV):
+    next_step = ("top_dynamic", "fetch_dynamic")  # what overlap.py may run beside the model
+
     def __init__(self, policy: Policy, index: int):  # a SyncKV (policy.py), which builds its layers
         super().__init__(policy, index)
         cfg, dev, D = policy.cfg, policy.tiers.device, policy.cfg.head_dim

@@ -55,7 +55,6 @@ from dataclasses import dataclass
 
 from ..contract import Policy, param
 from ..registry import register
-from ..overlap import background, policy_worker
 from ..pool import Staging
 from .accounting import Accounting, Report
 from .binding import layer_clusterings, stand_in_spec
@@ -153,11 +152,10 @@ class SyncKV(Report, Policy):
         n_sets = max(len(layer["clusters"]) for layer in self.clustering) if self.nr_reads == "union" else 1
         rows = n_nr * n_sets * self.k_dyn
         self.staging = Staging((2 * max(1, rows), self.cfg.head_dim), self.dtype, self.tiers) if self.offload else None
-        # the worker that runs the anticipation's top-k beside the model (policies/overlap.py),
-        # backend=eager only (as freekv's)
-        self.worker = policy_worker(self, self.overlap and self.anticipation and self.backend == "eager")
+
+    def overlaps(self) -> bool:
+        # the anticipation's top-k beside the model (overlap.py), backend=eager only (as freekv's)
+        return self.overlap and self.anticipation and self.backend == "eager"
 
     def make_layer(self, index: int) -> SyncKVLayer:
-        if self.worker.background:
-            return background(AccountedLayer, "top_dynamic", "fetch_dynamic")(self, index)
         return AccountedLayer(self, index)
