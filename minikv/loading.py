@@ -33,6 +33,9 @@ from .packaged import SMOLLM2_GGUF, gemma3_270m_gguf_path, qwen25_coder_gguf_pat
 ALIASES = {"smollm2": lambda: smollm2_gguf_path(),
            "qwen2.5-coder-0.5b": lambda: qwen25_coder_gguf_path(cache_dir()),
            "gemma3-270m": lambda: gemma3_270m_gguf_path(cache_dir())}
+# the commands' --model help: the names above, or a checkpoint of one's own
+MODEL_HELP = (f"{', '.join(ALIASES)} (the real models; qwen2.5-coder-0.5b needs the [qwen] extra, gemma3-270m "
+              "the [gemma] one), a HF safetensors directory or a .gguf file (default: %(default)s)")
 # tensors some checkpoints carry that are recomputed here, not learned
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
 

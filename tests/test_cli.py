@@ -232,6 +232,8 @@ def test_generate_help_lists_policies_defaults_and_the_same_max_new_tokens_as_th
     api_default = inspect.signature(minikv.generate).parameters["max_new_tokens"].default
     assert f"(default: {api_default}, as minikv.generate)" in text
     assert "(default: smollm2)" in text and "(default: full;" in text
+    from minikv.loading import ALIASES
+    assert all(alias in text for alias in ALIASES)  # the names --model takes, each real model's
     for name in available():
         assert re.search(rf"\b{name}: .*?backend=eager", text), name
     assert "speculative=true" in text  # booleans shown as the words the specs take

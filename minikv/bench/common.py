@@ -14,10 +14,11 @@ import platform
 import torch
 
 from ..generate import measure_read_bandwidth  # noqa: F401  (the benchmarks' name for it)
+from ..loading import MODEL_HELP
 
 
 def add_common_arguments(p) -> None:
-    p.add_argument("--model", default="smollm2", help="model name or path (default smollm2)")
+    p.add_argument("--model", default="smollm2", help=MODEL_HELP)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the loader's choice)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")

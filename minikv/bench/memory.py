@@ -30,7 +30,7 @@ import torch
 from ..atomic import atomic_open, atomic_write
 from ..cli import dumps
 from ..generate import generate
-from ..loading import load
+from ..loading import MODEL_HELP, load
 from ..policies import make
 from .probes import watched
 
@@ -38,7 +38,7 @@ PROMPT = "Write a long essay about the history of the printing press and its inf
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default="smollm2", help="model name or path (default smollm2)")
+    p.add_argument("--model", default="smollm2", help=MODEL_HELP)
     p.add_argument("--policy", action="append", help="policy spec, repeatable (default: softfreeze)")
     p.add_argument("--prompt", default=PROMPT, help="the open prompt (a chat turn unless --no-chat)")
     p.add_argument("--no-chat", action="store_true", help="feed the prompt as plain text, no chat template")

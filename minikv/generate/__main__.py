@@ -19,6 +19,7 @@ import torch
 from . import DEFAULT_MAX_NEW_TOKENS, check_sampling, decode_bandwidth, generate, measure_read_bandwidth
 from ..cli import (check_common, check_output_paths, check_positive, dumps, interrupted as say_interrupted,
                    one_line, run_command, stdout_reader_gone)
+from ..loading import MODEL_HELP
 from ..plugins import add_import_argument, import_from_argv
 
 DEFAULT_THREADS = 1  # see --threads
@@ -43,9 +44,7 @@ def policy_epilog() -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m minikv.generate", description=__doc__, epilog=policy_epilog(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2",
-                   help="'smollm2' (bundled SmolLM2-135M-Instruct), a HF safetensors directory or a .gguf file "
-                        "(default: %(default)s)")
+    p.add_argument("--model", default="smollm2", help=MODEL_HELP)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file ('-' for stdin)")

@@ -147,6 +147,18 @@ def test_logits_match_transformers_on_natural_text(gemma):
         assert (top2[0] - top2[1]).item() <= 1e-3, f"position {t}"
 
 
+@needs_gemma
+def test_synckv_binds_by_default_with_the_clustering_shipped_for_the_model(gemma):
+    """policies/data ships the model's clustering (bench cluster-heads, its three global layers):
+    one KV head per layer, so each global layer's one head is its cluster's R-head and keeps full
+    KV; there is no NR-head to read a selection (docs/gemma3.md)."""
+    model, _ = gemma
+    policy = make("synckv").bind(model.cfg, device=DEVICE, dtype=torch.float32, max_len=1024)  # > the windows
+    for i in (5, 11, 17):
+        layer = policy.layer(i)
+        assert (layer.clusters, layer.r_heads, layer.nr_heads) == ([[0]], [0], []), i
+
+
 def test_a_rewinding_policy_gets_longer_windows_that_still_read_only_the_window():
     """softfreeze rewalks up to rewalk_tokens tokens: its windows keep that many slots more, and
     a decode step still reads exactly the last `window` tokens (dense windowed attention)."""

@@ -23,13 +23,11 @@ from .test_gemma3 import needs_gemma
 LENGTH = 8000
 DEPTHS = (0.1, 0.5, 0.9)
 NEW_TOKENS = 8
-# Where a default misses by its own rule (measured at 1,200 and 4,096 tokens, docs/gemma3.md), or
-# cannot bind on a hybrid model: strict, so that a change either way shows
+# Where a default misses by its own rule (measured at 1,200, 4,096 and 8,000 tokens,
+# docs/gemma3.md): strict, so that a change either way shows. SyncKV binds with the clustering
+# shipped for the model (policies/data): one KV head per layer, so its one R-head is the only head
+# and keeps full KV on the global layers, and it finds the key wherever full KV does
 XFAIL = {
-    # SyncKV's default reads the head clustering shipped for the model, and none ships for this one
-    # (one KV head per layer: its representative head would be the only one, full KV)
-    "synckv": pytest.mark.xfail(strict=True, raises=ValueError,
-                                reason="no SyncKV head clustering ships for Gemma-3-270M"),
     # StreamingLLM keeps the first 4 and the last 2,044 tokens: a key at depth 0.1 or 0.5 of 8k is
     # outside its window by construction
     "streaming": pytest.mark.xfail(strict=True, raises=AssertionError,
