@@ -204,7 +204,7 @@ def test_the_model_writes_no_policy_state():
 
 
 def test_the_reader_path_follows_the_layout():
-    """tools/reader_path.py counts the files README's reading guide names, for every policy: a
+    """tools/reader_path.py counts the files the reading guide (docs/reading.md) names, for every policy: a
     file moved or split is renamed in its lists too, and a new policy gets a path."""
     import importlib.util
 

@@ -1,6 +1,6 @@
 """icecache (paper 001): semantic KV pages, the leaves of a DCI tree per KV head.
 
-Read in this order (README's reading guide): layer.py (the decode step), tree.py (the index and
+Read in this order (the reading guide (docs/reading.md)): layer.py (the decode step), tree.py (the index and
 its insert), search.py (Algorithms 3-4, the readable query). Off the decode step: build.py
 (Algorithm 2 at prefill), promotion.py (levels and directions, drawn ahead), policy.py (the
 parameters, their checks, and the search each layer runs by backend), counts.py (statistics),
