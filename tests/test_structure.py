@@ -204,8 +204,8 @@ def test_the_model_writes_no_policy_state():
 
 
 def test_the_reader_path_follows_the_layout():
-    """tools/reader_path.py counts the files the reading guide (docs/reading.md) names, for every policy: a
-    file moved or split is renamed in its lists too, and a new policy gets a path."""
+    """tools/reader_path.py counts the files the reading guide (docs/reading.md) names, for every
+    policy: a file moved or split is renamed in its lists too, and a new policy gets a path."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("reader_path", ROOT.parent / "tools" / "reader_path.py")

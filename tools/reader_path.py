@@ -4,8 +4,8 @@
     python tools/reader_path.py --files         # and each file's count
     python tools/reader_path.py --before REV    # REV's path (this file as it was at REV) beside it
 
-The rule: a reader who follows the reading guide (docs/reading.md) through one decode step opens the files
-listed below, and reads each whole; a file counts every line it has (blank lines, comments and
+The rule: a reader who follows the reading guide (docs/reading.md) through one decode step opens
+the files listed below, and reads each whole; a file counts every line it has (blank lines, comments and
 docstrings included, as `wc -l` counts), once, however many calls lead into it. A kernel counts
 by its readable form (kernels/<op>/reference.py); the fast forms (`*_fast.py`, kernels' fused.py,
 the dispatch in kernels' __init__.py), the model's config and rotary tables, validation and

@@ -22,8 +22,8 @@ from minikv.policies.icecache.counts import tree_page
 from minikv.policies.icecache.promotion import level_of, levels_of, random_direction
 from minikv.policies.icecache.search import (CLOSEST, field_of_view, find_page_index, merge_group, page_lists,
                                              query, scan_node)
-from minikv.policies.icecache.search_fast import (build_layout, few_float_orders, node_windows, top_keys,
-                                                  visited_per_node, window_starts)
+from minikv.policies.icecache.layout import build_layout, node_windows, visited_per_node, window_starts
+from minikv.policies.icecache.search_fast import few_float_orders, top_keys
 from minikv.policies.icecache.tree import DCIForest
 
 

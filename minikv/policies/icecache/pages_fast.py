@@ -28,7 +28,8 @@ from typing import NamedTuple
 
 import torch
 
-from .search_fast import NOT_OPENED, FastSearch, LevelLayout, descend, visited
+from .layout import LevelLayout
+from .search_fast import NOT_OPENED, FastSearch, descend, visited
 
 CANDIDATE_PAGES = 3  # candidate pages per selected page (C = 3 k)
 
